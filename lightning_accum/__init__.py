@@ -1,0 +1,16 @@
+"""Exact, memory-aware, schedulable gradient accumulation for PyTorch Lightning."""
+
+from lightning_accum.callbacks.accumulation_scheduler import AccumulationScheduler
+from lightning_accum.manual import ManualAccumulation
+from lightning_accum.schedules import BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulationScheduler",
+    "BatchSizeRamp",
+    "ConstantSchedule",
+    "ManualAccumulation",
+    "Progress",
+    "StepwiseSchedule",
+]

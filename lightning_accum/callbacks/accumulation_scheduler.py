@@ -1,0 +1,269 @@
+"""``AccumulationScheduler``: exact, schedulable gradient accumulation in Lightning's own loop (window mode)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accum import _compat
+from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.normalization import (
+    ItemCounter,
+    LossReduction,
+    WindowNormalizer,
+    batch_size_of,
+    check_loss_reduction,
+    count_items,
+)
+from lightning_accum.schedules import AccumulationSchedule, ConstantSchedule, Progress, ScheduleUnit, as_schedule
+from lightning_accum.state import AccumulationEvent, AccumulationState
+
+log = logging.getLogger("lightning_accum")
+
+
+class AccumulationScheduler(Callback):
+    """Exact gradient accumulation with a schedule for ``k``, in Lightning's own training loop.
+
+    The dataloader yields micro-batches; this callback decides how many make one optimizer step and makes every
+    step's gradient equal to the gradient of the mean loss over all items of the window on all ranks. That holds for
+    the short last window of an epoch, for micro-batches of uneven size, for token losses (``count_items``) and under
+    DDP, where gradients are all-reduced once per optimizer step. Gradient clipping sees the exact gradient.
+
+    A change of ``k`` takes effect at the next window boundary, also mid-epoch, and is logged. Windows never cross an
+    epoch boundary.
+
+    Args:
+        schedule: ``k`` as an int; a ``{key: k}`` mapping whose keys ``unit`` reads; a schedule object with an
+            ``accumulation_steps(progress)`` method (e.g. :class:`~lightning_accum.schedules.BatchSizeRamp`); or
+            ``None`` to adopt ``Trainer(accumulate_grad_batches)``.
+        unit: what mapping keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (consumed samples,
+            all ranks).
+        count_items: counts what the loss averages over in a micro-batch, e.g.
+            ``lambda b: (b["labels"] != -100).sum()``. Default: the number of samples.
+        loss_reduction: whether ``training_step`` returns the ``"mean"`` or the ``"sum"`` of the loss over the items
+            of its micro-batch.
+        sync_every_micro_batch: all-reduce (or reduce-scatter) gradients after every micro-batch instead of once per
+            step. It costs communication and, under FSDP, saves the memory of full unsharded gradients.
+
+    Raises:
+        TypeError: ``schedule`` or one of its keys or values has the wrong type.
+        ValueError: ``k < 1``, schedule keys negative or not increasing, an unknown ``unit`` or ``loss_reduction``,
+            or ``schedule`` given together with ``Trainer(accumulate_grad_batches > 1)``.
+        RuntimeError: manual optimization (use :class:`~lightning_accum.ManualAccumulation`), a strategy that
+            accumulates by itself (DeepSpeed), or Lightning's ``GradientAccumulationScheduler`` in the same Trainer.
+
+    A window whose micro-batches hold no items at all (everything masked) has no mean: its optimizer step is skipped
+    (every gradient is set to ``None``, so the optimizer leaves the parameters and their state alone).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> scheduler = AccumulationScheduler({0: 2, 100: 4}, unit="step")
+        >>> trainer = Trainer(callbacks=[scheduler], logger=False, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        schedule: int | Mapping[int, int] | AccumulationSchedule | None = None,
+        *,
+        unit: ScheduleUnit = "epoch",
+        count_items: ItemCounter | None = None,
+        loss_reduction: LossReduction = "mean",
+        sync_every_micro_batch: bool = False,
+    ) -> None:
+        self.schedule = as_schedule(schedule, unit)
+        self.unit: ScheduleUnit = unit
+        if count_items is not None and not callable(count_items):
+            raise TypeError(f"`count_items` must be a function of a batch, got {count_items!r}.")
+        self.count_items = count_items
+        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
+        self.sync_every_micro_batch = bool(sync_every_micro_batch)
+        self.normalizer = WindowNormalizer(loss_reduction)
+        self.accumulation_state = AccumulationState(mode="window")
+
+        self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
+        self._k = 1  # the current window's planned length
+        self._position = 0  # index of the current micro-batch within its window
+        self._new_window = True
+        self._stepped = False
+        self._micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-based schedules
+        self._pending_weight: float | Tensor = 1.0
+        self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
+        self._undo: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------------------------------------------------------
+    # setup and teardown
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer_k = trainer.accumulate_grad_batches
+        self._validate(trainer, pl_module)
+        if self.schedule is None:
+            self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
+        # Run first among callbacks, so that every other `on_before_optimizer_step` sees the exact gradient.
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)
+        self.accumulation_state.world_size = trainer.world_size
+        self.accumulation_state.settings = {
+            "mode": "window",
+            "schedule": repr(self._active_schedule),
+            "unit": self.unit,
+            "count_items": _describe(self.count_items),
+            "loss_reduction": self.loss_reduction,
+            "sync_every_micro_batch": self.sync_every_micro_batch,
+        }
+
+    def _validate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "`AccumulationScheduler` works with automatic optimization, but this LightningModule sets"
+                " `automatic_optimization = False`. Under manual optimization use `lightning_accum.ManualAccumulation`"
+                " inside `training_step` instead."
+            )
+        if trainer.strategy.handles_gradient_accumulation or "deepspeed" in type(trainer.strategy).__name__.lower():
+            raise RuntimeError(
+                f"`AccumulationScheduler` cannot run with {type(trainer.strategy).__name__}: that strategy accumulates"
+                " gradients by itself. Set accumulation in the strategy's own config and remove the callback."
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise RuntimeError(
+                "`AccumulationScheduler` and Lightning's `GradientAccumulationScheduler` both want to own `k`."
+                " Remove `GradientAccumulationScheduler` and pass its `scheduling` dict as `schedule=`."
+            )
+        if self.schedule is not None and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` is set together with"
+                f" `AccumulationScheduler(schedule={self.schedule!r})`. Set k in one place: remove"
+                " `accumulate_grad_batches` from the Trainer, or pass `schedule=None` to adopt it."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._undo.append(
+            _compat.install_window_control(
+                trainer,
+                window_complete=lambda: self._position >= self._k - 1,
+                window_start=lambda: self._position == 0,
+            )
+        )
+        if self.sync_every_micro_batch:
+            self._undo.append(_compat.disable_backward_sync_blocking(trainer.strategy))
+        self._new_window = True
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        while self._undo:
+            self._undo.pop()()
+        trainer.accumulate_grad_batches = self._trainer_k
+
+    # ----------------------------------------------------------------------------------------------------------
+    # the window
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._new_window = True  # windows never cross an epoch boundary
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        n_samples = batch_size_of(batch)
+        if self._new_window or self._stepped:
+            self._start_window(trainer, n_samples)
+        else:
+            self._position += 1
+        self._stepped = False
+        n_items = count_items(batch, self.count_items)
+        self._pending_weight = self.normalizer.add_micro_batch(n_items, n_samples)
+
+    def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
+        self._new_window = False
+        self._position = 0
+        if self._micro_batch_size == 0:
+            # Sample-keyed schedules need the same micro-batch size on every rank, or ranks would disagree on k.
+            agreed = max_across_ranks(trainer, torch.tensor([n_samples], dtype=torch.int64))
+            self._micro_batch_size = int(agreed.item())
+        progress = Progress(
+            epoch=trainer.current_epoch,
+            optimizer_steps=trainer.global_step,
+            consumed_samples=self.accumulation_state.consumed_samples,
+            micro_batch_size=self._micro_batch_size,
+            world_size=trainer.world_size,
+        )
+        k = self._active_schedule.accumulation_steps(progress)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
+        if k != self._k:
+            event = AccumulationEvent("schedule_change", trainer.global_step, self._k, k, f"epoch {progress.epoch}")
+            self.accumulation_state.events.append(event)
+            _log_info(event.message())
+        self._k = k
+        trainer.accumulate_grad_batches = k
+        self.normalizer.start_window(k)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        # Lightning divided the loss by `trainer.accumulate_grad_batches`; replace that by the window weight.
+        multiplier = self._pending_weight * trainer.accumulate_grad_batches
+        if not (isinstance(multiplier, float) and multiplier == 1.0):
+            loss.register_hook(lambda grad: grad * multiplier)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
+        self._stepped = True
+        state = self.accumulation_state
+        state.accumulation_steps = self._k
+        state.micro_batch_size = self._micro_batch_size
+        state.samples_per_step = totals.samples
+        state.items_per_step = totals.items
+        state.consumed_samples += totals.samples
+        if totals.items <= 0:
+            _log_info(f"lightning_accum: window at step {trainer.global_step} has no items; optimizer step skipped")
+
+    # ----------------------------------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "consumed_samples": self.accumulation_state.consumed_samples,
+            "accumulation_steps": self._k,
+            "micro_batch_size": self._micro_batch_size,
+            "normalizer": self.normalizer.state_dict(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.accumulation_state.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        self._k = int(state_dict.get("accumulation_steps", 1))
+        self._micro_batch_size = int(state_dict.get("micro_batch_size", 0))
+        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
+        self._new_window = True
+
+
+@rank_zero_only
+def _log_info(message: str) -> None:
+    log.info(message)
+
+
+def _describe(fn: Callable[..., Any] | None) -> str:
+    if fn is None:
+        return "samples"
+    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -1,0 +1,1 @@
+"""The ``lightning-accum`` command line."""

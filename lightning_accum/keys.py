@@ -1,0 +1,30 @@
+"""The metric keys that dashboards depend on (a contract: see docs/wandb.md). Units are in the names."""
+
+from __future__ import annotations
+
+EFFECTIVE_BATCH_SIZE = "accum/effective_batch_size"
+MICRO_BATCH_SIZE = "accum/micro_batch_size"
+ACCUMULATION_STEPS = "accum/accumulation_steps"
+ITEMS_PER_STEP = "accum/items_per_step"
+OOM_RETRIES = "accum/oom_retries"
+WINDOW_LOSS = "accum/window_loss"
+
+PEAK_GIB = "memory/peak_gib"
+CAPACITY_GIB = "memory/capacity_gib"
+PEAK_FRACTION = "memory/peak_fraction"
+PEAK_RESERVED_GIB = "memory/peak_reserved_gib"  # CUDA only
+
+SAMPLES_PER_SEC = "perf/samples_per_sec"
+ITEMS_PER_SEC = "perf/items_per_sec"
+
+# Events: logged as metrics at the step they happen (the value is the size after the change).
+EVENT_SCHEDULE_CHANGE = "events/accumulation_steps_changed"
+EVENT_OOM_RECOVERED = "events/oom_recovered"
+EVENT_SHRINK = "events/micro_batch_shrunk"
+EVENT_GROW = "events/micro_batch_grown"
+
+BATCH_KEYS = (EFFECTIVE_BATCH_SIZE, MICRO_BATCH_SIZE, ACCUMULATION_STEPS, ITEMS_PER_STEP)
+MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB)
+PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC)
+EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
+ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

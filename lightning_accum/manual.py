@@ -1,0 +1,122 @@
+"""``ManualAccumulation``: exact accumulation and one gradient sync per step under manual optimization."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_accum import _compat
+from lightning_accum.distributed import sum_across_ranks_fn
+from lightning_accum.normalization import (
+    ItemCounter,
+    LossReduction,
+    WindowNormalizer,
+    WindowTotals,
+    batch_size_of,
+    check_loss_reduction,
+    count_items,
+)
+from lightning_accum.schedules import AccumulationSchedule, ConstantSchedule, Progress, as_schedule
+
+
+class ManualAccumulation:
+    """Exact gradient accumulation for ``automatic_optimization = False``.
+
+    Lightning refuses ``accumulate_grad_batches`` under manual optimization, and a hand-written loop all-reduces the
+    gradients at every micro-batch. Call :meth:`backward` instead of ``self.manual_backward``: it weights the loss so
+    that the window's gradient is the exact mean over all its items on all ranks, skips DDP's gradient sync on every
+    micro-batch but the window's last, and returns ``True`` when the gradients are complete and the optimizer should
+    step. The epoch's last batch always completes a window.
+
+    Args:
+        accumulation_steps: ``k`` as an int, a ``{epoch: k}`` mapping, or a schedule object.
+        count_items: counts the items of a micro-batch (default: its samples).
+        loss_reduction: whether the loss passed in is the ``"mean"`` or the ``"sum"`` over the micro-batch's items.
+
+    Raises:
+        TypeError, ValueError: as for :class:`~lightning_accum.AccumulationScheduler`'s ``schedule``.
+
+    Example:
+        >>> import torch
+        >>> from lightning.pytorch import LightningModule
+        >>> class Model(LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        ...         self.layer = torch.nn.Linear(4, 1)
+        ...         self.accumulation = ManualAccumulation(4)
+        ...
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        ...         optimizer = self.optimizers()
+        ...         if self.accumulation.backward(self, loss, batch):
+        ...             optimizer.step()
+        ...             optimizer.zero_grad()
+        ...
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+
+    def __init__(
+        self,
+        accumulation_steps: int | Mapping[int, int] | AccumulationSchedule = 1,
+        *,
+        count_items: ItemCounter | None = None,
+        loss_reduction: LossReduction = "mean",
+    ) -> None:
+        self.schedule: AccumulationSchedule = as_schedule(accumulation_steps, "epoch") or ConstantSchedule(1)
+        self.count_items = count_items
+        self.normalizer = WindowNormalizer(check_loss_reduction(loss_reduction))
+        self.last_window: WindowTotals | None = None
+        self.consumed_samples = 0
+        self._k = 1
+        self._position = -1  # -1: no window open
+        self._epoch = -1
+
+    def backward(self, module: pl.LightningModule, loss: Tensor, batch: Any, *args: Any, **kwargs: Any) -> bool:
+        """Back-propagate one micro-batch's ``loss`` with its exact weight; ``True`` when the optimizer should step.
+
+        Extra arguments go to ``module.manual_backward``.
+        """
+        trainer = module.trainer
+        if self._position < 0 or trainer.current_epoch != self._epoch:
+            self._start_window(trainer, batch_size_of(batch))
+        weight = self.normalizer.add_micro_batch(count_items(batch, self.count_items), batch_size_of(batch))
+        window_complete = self._position >= self._k - 1 or _compat.is_last_training_batch(trainer)
+        blocking = trainer.strategy.block_backward_sync() if hasattr(trainer.strategy, "block_backward_sync") else None
+        with blocking if (blocking is not None and not window_complete) else contextlib.nullcontext():
+            module.manual_backward(loss * weight, *args, **kwargs)
+        if not window_complete:
+            self._position += 1
+            return False
+        self.last_window = self.normalizer.finish_window(
+            module.parameters(), sum_across_ranks_fn(trainer), trainer.world_size
+        )
+        self.consumed_samples += self.last_window.samples
+        self._position = -1
+        return True
+
+    def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
+        self._epoch = trainer.current_epoch
+        self._position = 0
+        progress = Progress(
+            epoch=trainer.current_epoch,
+            optimizer_steps=trainer.global_step,
+            consumed_samples=self.consumed_samples,
+            micro_batch_size=n_samples,
+            world_size=trainer.world_size,
+        )
+        self._k = self.schedule.accumulation_steps(progress)
+        self.normalizer.start_window(self._k)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "normalizer": self.normalizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.normalizer.load_state_dict(state.get("normalizer", {}))

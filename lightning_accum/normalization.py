@@ -1,0 +1,240 @@
+"""The exactness arithmetic: item counting and window weights.
+
+The optimizer update must equal the full-batch update over every item (sample or loss-bearing token) of the window
+on every rank, i.e. the gradient must be ``sum_i grad(S_i) / N`` where ``S_i`` is the summed loss of micro-batch
+``i`` and ``N`` the number of items in the whole window, all ranks together.
+
+Nothing about the window is known in advance: the tail of an epoch is short and token counts vary. So each
+micro-batch's gradient is weighted by what *is* known at its backward, and the window total is applied once, at the
+optimizer step:
+
+1. micro-batch ``i`` contributes ``w_i * grad(L_i)``, with ``w_i = n_i / r`` when ``L_i`` is a mean over its
+   ``n_i`` items and ``w_i = 1 / r`` when it is a sum. The gradient buffer then holds ``sum_i grad(S_i) / r``.
+2. at the step, the item counts are summed across ranks (one small all-reduce) and the buffers are multiplied by
+   ``r * world_size / N``; the ``world_size`` undoes DDP's mean.
+
+``r`` is only a scale that keeps gradient magnitudes near those of a plain mean loss (it matters for fp16 loss
+scaling). It must be the same on every rank, so it is derived from the previous window's *global* count.
+
+This module needs no Trainer; :class:`WindowNormalizer` is shared by window mode, split mode and the manual helper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+LossReduction = Literal["mean", "sum"]
+ItemCounter = Callable[[Any], "int | Tensor"]
+
+
+def check_loss_reduction(loss_reduction: Any) -> LossReduction:
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"`loss_reduction` must be 'mean' (training_step returns the mean over the items of its micro-batch)"
+            f" or 'sum' (it returns their sum), got {loss_reduction!r}."
+        )
+    return loss_reduction  # type: ignore[no-any-return]
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in a batch: the first dimension of its first tensor, or the length of a sequence.
+
+    Example:
+        >>> batch_size_of({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
+        3
+        >>> batch_size_of([torch.zeros(5, 2), torch.zeros(5)])
+        5
+    """
+    tensor = _first_tensor(batch)
+    if tensor is not None:
+        return int(tensor.shape[0]) if tensor.dim() > 0 else 1
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return len(batch)
+    raise TypeError(
+        f"Cannot tell how many samples are in a batch of type {type(batch).__name__}: it holds no tensor."
+        " Pass `count_items=` a function that returns the number of items in a batch."
+    )
+
+
+def _first_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj
+    if isinstance(obj, Mapping):
+        values: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dataclass_fields__"):
+        values = (getattr(obj, f) for f in obj.__dataclass_fields__)
+    else:
+        return None
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def count_items(batch: Any, counter: ItemCounter | None) -> int | Tensor:
+    """Count the items in ``batch`` with the user's ``counter`` (samples when ``None``), checking what it returns.
+
+    A tensor count stays a tensor so that counting never waits for the device; its sign is checked at the step.
+
+    Example:
+        >>> labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+        >>> count_items({"labels": labels}, lambda b: (b["labels"] != -100).sum())
+        tensor(3)
+    """
+    if counter is None:
+        return batch_size_of(batch)
+    value = counter(batch)
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                "`count_items` must return a non-negative int or a single-element integer tensor, got a tensor of"
+                f" shape {tuple(value.shape)} and dtype {value.dtype}. Reduce it with `.sum()` over an integer or"
+                " boolean mask, e.g. `lambda b: (b['labels'] != -100).sum()`."
+            )
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"`count_items` must return a non-negative int or a single-element integer tensor, got {value!r} of type"
+            f" {type(value).__name__}."
+        )
+    if value < 0:
+        raise ValueError(f"`count_items` must return a non-negative count, got {value} for a micro-batch.")
+    return value
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """What one window held, summed over all ranks, and the factor that made its gradient exact."""
+
+    items: float
+    samples: int
+    micro_batches: int
+    factor: float
+
+
+class WindowNormalizer:
+    """Weights each micro-batch's gradient and, at the optimizer step, rescales the sum to the exact window mean.
+
+    Args:
+        loss_reduction: whether the loss of a micro-batch is the ``"mean"`` or the ``"sum"`` over its items.
+
+    Example:
+        Two micro-batches of uneven size whose *mean* losses are accumulated give the gradient of the mean over all
+        five samples, not the mean of the two means:
+
+        >>> w = torch.zeros(1, requires_grad=True)
+        >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+        >>> norm = WindowNormalizer("mean")
+        >>> norm.start_window(accumulation_steps=2)
+        >>> for chunk in (x[:4], x[4:]):
+        ...     loss = (w * chunk).mean()
+        ...     (loss * norm.add_micro_batch(n_items=len(chunk), n_samples=len(chunk))).backward()
+        >>> totals = norm.finish_window([w])
+        >>> w.grad, x.mean()
+        (tensor([3.]), tensor(3.))
+    """
+
+    def __init__(self, loss_reduction: LossReduction = "mean") -> None:
+        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
+        # Reference scale r; see the module docstring. Derived from global counts only, so equal on all ranks.
+        self.scale = 1.0
+        self._accumulation_steps = 1
+        self._items: Tensor | int = 0
+        self._min_items: Tensor | int = 0
+        self._samples = 0
+        self._micro_batches = 0
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches added to the current window on this rank."""
+        return self._micro_batches
+
+    def start_window(self, accumulation_steps: int) -> None:
+        """Forget the previous window. ``accumulation_steps`` is the planned window length (it only sets ``r``)."""
+        self._accumulation_steps = max(1, accumulation_steps)
+        self._items = 0
+        self._min_items = 0
+        self._samples = 0
+        self._micro_batches = 0
+
+    def add_micro_batch(self, n_items: int | Tensor, n_samples: int) -> float | Tensor:
+        """Record a micro-batch and return ``w_i``, the weight its loss gradient must be multiplied by.
+
+        The weight is a tensor when ``n_items`` is one (no host sync), a float otherwise.
+        """
+        if self._micro_batches == 0:
+            self._min_items = n_items
+        elif isinstance(n_items, Tensor) or isinstance(self._min_items, Tensor):
+            self._min_items = torch.minimum(torch.as_tensor(self._min_items), torch.as_tensor(n_items))
+        else:
+            self._min_items = min(self._min_items, n_items)
+        self._items = self._items + n_items
+        self._samples += n_samples
+        self._micro_batches += 1
+        divisor = self.scale * self._accumulation_steps
+        if self.loss_reduction == "sum":
+            return 1.0 / divisor
+        if isinstance(n_items, Tensor):
+            return n_items.to(torch.float32) / divisor
+        return n_items / divisor
+
+    def finish_window(
+        self,
+        parameters: Iterable[Tensor],
+        sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
+        world_size: int = 1,
+    ) -> WindowTotals:
+        """Rescale the accumulated gradients of ``parameters`` to the exact window mean.
+
+        Args:
+            parameters: the parameters whose ``.grad`` holds ``sum_i w_i * grad(L_i)`` (after DDP's mean, if any).
+            sum_across_ranks: sums a small tensor over all ranks; ``None`` on a single process.
+            world_size: the number of ranks whose gradients DDP averaged.
+
+        A window with no items at all (everything masked) has no mean: its gradients are set to ``None`` so that
+        the optimizer skips every parameter, and ``factor`` is 0.
+        """
+        device = self._items.device if isinstance(self._items, Tensor) else torch.device("cpu")
+        local = torch.stack(
+            [
+                torch.as_tensor(self._items, dtype=torch.float64, device=device),
+                torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
+                torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
+                (torch.as_tensor(self._min_items, device=device) < 0).to(torch.float64),
+            ]
+        )
+        totals = sum_across_ranks(local) if sum_across_ranks is not None else local
+        # One host read per optimizer step (never per micro-batch): the count decides between scaling and skipping.
+        items, samples, micro_batches, negative_ranks = totals.tolist()
+        if negative_ranks:
+            # Raised on every rank at once (the flag was summed), so no rank is left waiting in a collective.
+            raise ValueError(
+                "`count_items` returned a negative count for a micro-batch of this window. It must count items,"
+                " e.g. `lambda b: (b['labels'] != -100).sum()`."
+            )
+        params = [p for p in parameters if p.grad is not None]
+        if items <= 0:
+            for p in params:
+                p.grad = None
+            factor = 0.0
+        else:
+            factor = self.scale * self._accumulation_steps * world_size / items
+            if factor != 1.0:
+                torch._foreach_mul_([p.grad for p in params], factor)  # type: ignore[misc]
+            # Next window's r: the mean items per micro-batch per rank, so weights stay near 1/k.
+            self.scale = items / max(1.0, micro_batches)
+        return WindowTotals(items=items, samples=int(samples), micro_batches=int(micro_batches), factor=factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scale = float(state.get("scale", 1.0))

@@ -1,0 +1,269 @@
+"""Accumulation schedules: how many micro-batches make one optimizer step, as a function of training progress.
+
+Everything here is pure: no Trainer, no device. A schedule is asked for ``k`` once per window, at the window's
+first micro-batch, with the progress made so far. The callbacks decide *when* to ask; this module only answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+ScheduleUnit = Literal["epoch", "step", "sample"]
+Rounding = Literal["error", "floor", "ceil", "nearest"]
+_UNITS: tuple[str, ...] = ("epoch", "step", "sample")
+_ROUNDINGS: tuple[str, ...] = ("error", "floor", "ceil", "nearest")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands when a window starts.
+
+    Attributes:
+        epoch: the current epoch, from 0.
+        optimizer_steps: optimizer steps taken so far (``trainer.global_step``).
+        consumed_samples: samples consumed so far, summed over all ranks.
+        micro_batch_size: samples in the window's first micro-batch on this rank.
+        world_size: number of data-parallel ranks.
+    """
+
+    epoch: int = 0
+    optimizer_steps: int = 0
+    consumed_samples: int = 0
+    micro_batch_size: int = 1
+    world_size: int = 1
+
+    def value(self, unit: ScheduleUnit) -> int:
+        """The progress counter that ``unit`` names."""
+        if unit == "epoch":
+            return self.epoch
+        if unit == "step":
+            return self.optimizer_steps
+        return self.consumed_samples
+
+
+@runtime_checkable
+class AccumulationSchedule(Protocol):
+    """Anything that maps training progress to accumulation steps ``k`` (an int >= 1)."""
+
+    def accumulation_steps(self, progress: Progress) -> int:
+        """Accumulation steps for a window that starts at ``progress``."""
+        ...
+
+
+def _check_k(value: Any, name: str) -> int:
+    # bool is an int subclass; `True` as k is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} of type {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}. Use 1 to disable accumulation.")
+    return value
+
+
+def _check_unit(unit: Any) -> ScheduleUnit:
+    if unit not in _UNITS:
+        raise ValueError(f"`unit` must be one of {', '.join(repr(u) for u in _UNITS)}, got {unit!r}.")
+    return unit  # type: ignore[no-any-return]
+
+
+class ConstantSchedule:
+    """The same ``k`` for the whole run.
+
+    Example:
+        >>> ConstantSchedule(4).accumulation_steps(Progress(epoch=3))
+        4
+    """
+
+    def __init__(self, accumulation_steps: int) -> None:
+        self.k = _check_k(accumulation_steps, "accumulation_steps")
+
+    def accumulation_steps(self, progress: Progress) -> int:
+        return self.k
+
+    def __repr__(self) -> str:
+        return f"ConstantSchedule({self.k})"
+
+
+class StepwiseSchedule:
+    """``k`` changes at given points: ``{0: 1, 5: 4}`` means k=1 from 0 and k=4 from 5 on.
+
+    The keys are read as epochs, optimizer steps or consumed samples (all ranks), as ``unit`` says. A key of 0 is
+    implied with ``k=1`` when the mapping starts later.
+
+    Args:
+        milestones: a mapping from a progress value to the ``k`` that holds from there on.
+        unit: what the keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (consumed samples).
+
+    Raises:
+        TypeError: a key or a value is not an int, or ``milestones`` is not a mapping.
+        ValueError: a key is negative, the keys are not in increasing order, a value is < 1, or ``unit`` is unknown.
+
+    Example:
+        >>> schedule = StepwiseSchedule({0: 1, 100: 2, 200: 4}, unit="step")
+        >>> [schedule.accumulation_steps(Progress(optimizer_steps=s)) for s in (0, 99, 100, 250)]
+        [1, 1, 2, 4]
+    """
+
+    def __init__(self, milestones: Mapping[int, int], unit: ScheduleUnit = "epoch") -> None:
+        self.unit: ScheduleUnit = _check_unit(unit)
+        if not isinstance(milestones, Mapping) or not milestones:
+            raise TypeError(
+                f"`schedule` must be a non-empty mapping {{{unit}: k}}, got {milestones!r}."
+                " Example: {0: 1, 4: 2} accumulates 2 micro-batches from the 4th on."
+            )
+        keys = list(milestones)
+        for key in keys:
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise TypeError(f"`schedule` keys must be ints counting {unit}s, got key {key!r} in {milestones!r}.")
+            if key < 0:
+                raise ValueError(f"`schedule` keys must be >= 0, got key {key} in {dict(milestones)!r}.")
+            _check_k(milestones[key], f"schedule[{key}]")
+        if keys != sorted(keys) or len(set(keys)) != len(keys):
+            raise ValueError(
+                f"`schedule` keys must be strictly increasing, got {keys}. Write the mapping in {unit} order,"
+                f" e.g. {dict(sorted(milestones.items()))!r}."
+            )
+        # Copy: never keep a reference to what the user passed.
+        self.milestones: dict[int, int] = {0: 1} if keys[0] != 0 else {}
+        self.milestones.update({int(k): int(v) for k, v in milestones.items()})
+
+    def accumulation_steps(self, progress: Progress) -> int:
+        now = progress.value(self.unit)
+        k = 1
+        for start, value in self.milestones.items():
+            if start > now:
+                break
+            k = value
+        return k
+
+    def __repr__(self) -> str:
+        return f"StepwiseSchedule({self.milestones!r}, unit={self.unit!r})"
+
+
+class BatchSizeRamp:
+    """A Megatron-style warm-up of the global batch size, translated into ``k`` for the current micro-batch.
+
+    The global batch starts at ``start`` and grows by ``increment`` every ``ramp_samples / n_increments`` consumed
+    samples until it reaches ``target``, where ``n_increments = (target - start) / increment``. The number of
+    accumulation steps is ``k = global_batch / (micro_batch_size * world_size)``.
+
+    When that division is not exact, ``rounding`` decides: ``"error"`` (the default) raises, ``"floor"``,
+    ``"ceil"`` or ``"nearest"`` round ``k`` (never below 1) so the effective batch is the multiple of
+    ``micro_batch_size * world_size`` below, above or nearest to the requested one.
+
+    Args:
+        start: global batch size (samples, all ranks) at the beginning.
+        target: global batch size after the ramp.
+        increment: how much the global batch grows at each increase.
+        ramp_samples: consumed samples (all ranks) over which the ramp runs.
+        rounding: what to do when a global batch is not a multiple of ``micro_batch_size * world_size``.
+
+    Raises:
+        TypeError: an argument is not an int.
+        ValueError: a size is < 1, ``target < start``, ``target - start`` is not a multiple of ``increment``,
+            ``ramp_samples < 0``, or ``rounding`` is unknown.
+
+    Example:
+        >>> ramp = BatchSizeRamp(start=32, target=128, increment=32, ramp_samples=3000)
+        >>> ramp.global_batch_size(0), ramp.global_batch_size(1000), ramp.global_batch_size(5000)
+        (32, 64, 128)
+        >>> ramp.accumulation_steps(Progress(consumed_samples=1000, micro_batch_size=8, world_size=2))
+        4
+    """
+
+    unit: ScheduleUnit = "sample"
+
+    def __init__(
+        self, start: int, target: int, increment: int, ramp_samples: int, rounding: Rounding = "error"
+    ) -> None:
+        for name, value in (("start", start), ("target", target), ("increment", increment)):
+            _check_k(value, name)
+        if isinstance(ramp_samples, bool) or not isinstance(ramp_samples, int):
+            raise TypeError(f"`ramp_samples` must be an int, got {ramp_samples!r}.")
+        if ramp_samples < 0:
+            raise ValueError(f"`ramp_samples` must be >= 0, got {ramp_samples}.")
+        if target < start:
+            raise ValueError(f"`target` ({target}) must be >= `start` ({start}); a ramp only grows the batch.")
+        if (target - start) % increment:
+            raise ValueError(
+                f"`target - start` ({target} - {start} = {target - start}) must be a multiple of `increment`"
+                f" ({increment}). Choose an increment that divides {target - start}."
+            )
+        if rounding not in _ROUNDINGS:
+            raise ValueError(f"`rounding` must be one of {', '.join(map(repr, _ROUNDINGS))}, got {rounding!r}.")
+        self.start, self.target, self.increment, self.ramp_samples = start, target, increment, ramp_samples
+        self.rounding: Rounding = rounding
+
+    def global_batch_size(self, consumed_samples: int) -> int:
+        """The requested global batch size once ``consumed_samples`` have been consumed."""
+        n_increments = (self.target - self.start) // self.increment
+        if n_increments == 0 or consumed_samples >= self.ramp_samples:
+            return self.target
+        samples_per_increment = self.ramp_samples / n_increments
+        done = int(consumed_samples // samples_per_increment)
+        return min(self.target, self.start + done * self.increment)
+
+    def accumulation_steps(self, progress: Progress) -> int:
+        global_batch = self.global_batch_size(progress.consumed_samples)
+        per_micro_step = progress.micro_batch_size * progress.world_size
+        return k_for_global_batch(global_batch, per_micro_step, self.rounding)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchSizeRamp(start={self.start}, target={self.target}, increment={self.increment},"
+            f" ramp_samples={self.ramp_samples}, rounding={self.rounding!r})"
+        )
+
+
+def k_for_global_batch(global_batch: int, samples_per_micro_step: int, rounding: Rounding = "error") -> int:
+    """Accumulation steps that make ``global_batch`` from micro-steps of ``samples_per_micro_step`` samples.
+
+    Example:
+        >>> k_for_global_batch(96, 16), k_for_global_batch(100, 16, "floor"), k_for_global_batch(100, 16, "ceil")
+        (6, 6, 7)
+    """
+    if samples_per_micro_step < 1:
+        raise ValueError(f"`micro_batch_size * world_size` must be >= 1, got {samples_per_micro_step}.")
+    exact = global_batch / samples_per_micro_step
+    if global_batch % samples_per_micro_step == 0:
+        return max(1, global_batch // samples_per_micro_step)
+    if rounding == "error":
+        raise ValueError(
+            f"The global batch size {global_batch} is not a multiple of micro_batch_size * world_size"
+            f" = {samples_per_micro_step}. Pick sizes that divide, or pass `rounding='floor'`, 'ceil' or 'nearest'"
+            " to the schedule to round the number of accumulation steps."
+        )
+    if rounding == "floor":
+        return max(1, math.floor(exact))
+    if rounding == "ceil":
+        return max(1, math.ceil(exact))
+    return max(1, round(exact))
+
+
+def as_schedule(schedule: Any, unit: ScheduleUnit = "epoch") -> AccumulationSchedule | None:
+    """Turn what a user passes as ``schedule`` into a schedule object (``None`` stays ``None``).
+
+    Example:
+        >>> as_schedule(2)
+        ConstantSchedule(2)
+        >>> as_schedule({0: 1, 3: 4}, unit="step")
+        StepwiseSchedule({0: 1, 3: 4}, unit='step')
+    """
+    _check_unit(unit)
+    if schedule is None:
+        return None
+    if isinstance(schedule, bool):
+        raise TypeError(f"`schedule` must be an int, a mapping, a schedule object or None, got {schedule!r}.")
+    if isinstance(schedule, int):
+        _check_k(schedule, "schedule")
+        return ConstantSchedule(schedule)
+    if isinstance(schedule, Mapping):
+        return StepwiseSchedule(schedule, unit=unit)
+    if isinstance(schedule, AccumulationSchedule):
+        return schedule
+    raise TypeError(
+        f"`schedule` must be an int, a {{{unit}: k}} mapping, an object with an `accumulation_steps(progress)`"
+        f" method, or None, got {schedule!r} of type {type(schedule).__name__}."
+    )
