@@ -1,6 +1,7 @@
 """Exact, memory-aware, schedulable gradient accumulation for PyTorch Lightning."""
 
 from lightning_accum.callbacks.accumulation_scheduler import AccumulationScheduler
+from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.manual import ManualAccumulation
 from lightning_accum.schedules import BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
 
@@ -8,6 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationScheduler",
+    "AutoMicroBatching",
     "BatchSizeRamp",
     "ConstantSchedule",
     "ManualAccumulation",

@@ -15,7 +15,9 @@ Lightning's ``_should_accumulate``, which calls the first of them.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import lightning
@@ -108,3 +110,75 @@ def is_last_training_batch(trainer: pl.Trainer) -> bool:
     (``_TrainingEpochLoop._num_ready_batches_reached``: the last batch of the data, or of ``limit_train_batches``)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     return bool(epoch_loop._num_ready_batches_reached())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split mode: the closure of one optimizer step
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning's automatic closure runs `training_step`, then `zero_grad`, then `backward` (`Closure.closure` in
+# `loops/optimization/automatic.py`), so passes made from inside `training_step` would be zeroed. Split mode therefore
+# builds the whole closure itself: Lightning's own pieces (`_training_step` through the strategy, so DDP's forward and
+# autocast apply; `_make_backward_fn`; `_make_zero_grad_fn`) are called in the order split mode needs. The optimizer
+# step, `on_before_optimizer_step`, clipping and GradScaler stay Lightning's.
+
+
+@dataclass
+class SplitStepContext:
+    """Lightning's pieces of one automatic-optimization step, for a split-mode runner to call in its own order."""
+
+    batch: Any
+    batch_idx: int
+    optimizer: Optimizer
+    training_step: Callable[[Any], Any]
+    """Runs the user's ``training_step`` on a micro-batch via the strategy; returns a ClosureResult."""
+    backward: Callable[[Any], None] | None
+    """Back-propagates a loss through the strategy (precision scaling, ``on_before_backward``); None to skip."""
+    zero_grad: Callable[[], None]
+    """Zeroes the gradients through Lightning's ``optimizer_zero_grad`` hook."""
+    make_result: Callable[[Any, dict[str, Any]], Any]
+    """Builds the ClosureResult Lightning expects from a detached loss and extra outputs."""
+
+
+def install_split_closure(trainer: pl.Trainer, run_step: Callable[[SplitStepContext], Any]) -> Callable[[], None]:
+    """Make every automatic-optimization step call ``run_step`` as its closure. Returns a function that undoes it."""
+    _check_version()
+    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+
+    automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+    for name in ("_make_closure", "_training_step", "_make_backward_fn", "_make_zero_grad_fn"):
+        if not callable(getattr(automatic, name, None)):
+            raise RuntimeError(
+                f"lightning {lightning.__version__} has no `_AutomaticOptimization.{name}`, which split mode uses."
+                f" Use lightning{SUPPORTED_LIGHTNING}."
+            )
+
+    def _make_closure(kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> Closure:
+        def zero_grad() -> None:
+            with _attribute(trainer, "accumulate_grad_batches", 1):
+                fn = automatic._make_zero_grad_fn(batch_idx, optimizer)
+            if fn is not None:
+                fn()
+
+        def training_step(micro_batch: Any) -> ClosureResult:
+            micro_kwargs = OrderedDict(kwargs)
+            micro_kwargs["batch"] = micro_batch
+            return automatic._training_step(micro_kwargs)
+
+        context = SplitStepContext(
+            batch=kwargs["batch"],
+            batch_idx=batch_idx,
+            optimizer=optimizer,
+            training_step=training_step,
+            backward=automatic._make_backward_fn(optimizer),
+            zero_grad=zero_grad,
+            make_result=lambda loss, extra: ClosureResult(loss, extra=extra),
+        )
+        return Closure(step_fn=lambda: run_step(context), backward_fn=None, zero_grad_fn=None)
+
+    automatic._make_closure = _make_closure  # type: ignore[method-assign]
+    return lambda: automatic.__dict__.pop("_make_closure", None)
+
+
+def ddp_process_group(strategy: Any) -> Any:
+    """The process group DDP reduces gradients over (the default group when the strategy doesn't say)."""
+    return getattr(getattr(strategy, "model", None), "process_group", None)

@@ -4,6 +4,7 @@ the same order."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -28,3 +29,52 @@ def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
         return tensor
     strategy = trainer.strategy
     return strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
+
+
+def any_across_ranks(trainer: pl.Trainer, flags: Tensor) -> Tensor:
+    """Element-wise maximum of small integer flags over all ranks: "did any rank ...?" (the flags themselves at
+    world size 1)."""
+    return max_across_ranks(trainer, flags)
+
+
+def all_reduce_gradients(
+    parameters: list[Tensor], process_group: Any = None, bucket_bytes: int = 25 * 1024 * 1024
+) -> int:
+    """Sum the ``.grad`` of ``parameters`` over all ranks in flattened buckets; returns the number of collectives.
+
+    Every rank must pass the same parameters in the same order. A parameter without a gradient on this rank gets a
+    zero gradient first, because another rank may hold one for it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for p in parameters:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    calls = 0
+    bucket: list[Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size, calls
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        calls += 1
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket, size = [], 0
+
+    grads = sorted((p.grad for p in parameters), key=lambda g: (str(g.device), str(g.dtype)))
+    for grad in grads:
+        if bucket and (grad.dtype != bucket[0].dtype or grad.device != bucket[0].device):
+            flush()
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= bucket_bytes:
+            flush()
+    flush()
+    return calls

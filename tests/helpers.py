@@ -38,10 +38,20 @@ class RegressionModel(pl.LightningModule):
         self.step_grads: list[dict[str, Tensor | None]] = []  # gradient at each optimizer step, after clipping
         self.step_indices: list[list[int]] = []  # sample indices in each optimizer step (this rank)
         self._window_indices: list[int] = []
+        self.split_mode = False
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self._window_indices.extend(batch["index"].tolist())
+        self._record(batch)
         return nn.functional.mse_loss(self.layer(batch["x"]), batch["y"])
+
+    def _record(self, batch: dict[str, Tensor]) -> None:
+        if not self.split_mode:
+            self._window_indices.extend(batch["index"].tolist())
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # In split mode a step is one dataloader batch, whatever micro-batches (and retries) ran it.
+        if self.split_mode:
+            self._window_indices = batch["index"].tolist()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -143,7 +153,7 @@ class TokenModel(RegressionModel):
         self.reduction = reduction
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self._window_indices.extend(batch["index"].tolist())
+        self._record(batch)
         return token_loss(self, batch, self.reduction)
 
 

@@ -7,4 +7,4 @@ package's search path lets ``examples.char_lm`` resolve either way, and also whe
 
 from pathlib import Path
 
-__path__.append(str(Path(__file__).resolve().parents[2] / "examples"))  # noqa: F821 (set by the import system)
+__path__.append(str(Path(__file__).resolve().parents[2] / "examples"))

@@ -1,0 +1,321 @@
+"""``AccumulationMonitor``: batch, memory, recovery and throughput figures at every optimizer step, to every logger."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.memory.backends import MemoryBackend, backend_for
+from lightning_accum.monitoring import StepFigures, WeightedMean, budget_fraction, event_metrics
+from lightning_accum.normalization import batch_size_of, count_items
+from lightning_accum.state import AccumulationEvent, AccumulationState, find_state
+
+log = logging.getLogger("lightning_accum")
+
+
+class AccumulationMonitor(Callback):
+    """Logs what accumulation did at every optimizer step (or every ``logging_interval`` steps) to every logger.
+
+    The figures are global: batch and item counts are summed over ranks, memory is the largest peak of any rank.
+    They come from the callback that owns accumulation (``AccumulationScheduler`` or ``AutoMicroBatching``) when one
+    is in the Trainer, and are counted from the batches otherwise (plain ``Trainer(accumulate_grad_batches=k)``).
+    Metrics go through ``logger.log_metrics(metrics, step=trainer.global_step)`` of every logger in
+    ``trainer.loggers``, on rank zero. With a ``WandbLogger``, the keys are also defined against
+    ``trainer/global_step`` (memory peaks summarised by their maximum) and the accumulation settings are put into
+    the run config under ``lightning_accum``.
+
+    The device is only synchronized at logging steps (memory reads, the window loss, a few small all-reduces), never
+    per micro-batch.
+
+    Logged metrics:
+
+        ==================================  ===========  ==================================================
+        key                                 unit         when
+        ==================================  ===========  ==================================================
+        ``accum/effective_batch_size``      samples      every logging step: the last step, all ranks
+        ``accum/micro_batch_size``          samples      every logging step: one micro-batch on one rank
+        ``accum/accumulation_steps``        micro-bat.   every logging step: the last step, one rank
+        ``accum/items_per_step``            items        every logging step: the last step, all ranks
+        ``accum/oom_retries``               count        every logging step, cumulative since the start
+        ``accum/window_loss``               loss         every logging step: item-weighted mean since the
+                                                         previous logging step, all ranks
+        ``memory/peak_gib``                 GiB          every logging step: peak since the previous one,
+                                                         max over ranks (CUDA allocated, CPU resident set)
+        ``memory/capacity_gib``             GiB          every logging step
+        ``memory/peak_fraction``            fraction     every logging step: peak / capacity
+        ``memory/budget_fraction``          fraction     every logging step: the memory budget / capacity
+                                                         (1.0 without a budget)
+        ``memory/peak_reserved_gib``        GiB          every logging step, CUDA only
+        ``perf/samples_per_sec``            samples/s    every logging step, over the interval, all ranks
+        ``perf/items_per_sec``              items/s      every logging step, over the interval, all ranks
+        ``events/*``                        size after   at the logging step that follows the event
+        ==================================  ===========  ==================================================
+
+    Args:
+        logging_interval: log every this many optimizer steps. Throughput, peak memory and the window loss cover
+            the whole interval; batch figures describe its last step.
+
+    Raises:
+        TypeError: ``logging_interval`` is not an int.
+        ValueError: ``logging_interval < 1``.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_accum import AccumulationScheduler
+        >>> monitor = AccumulationMonitor(logging_interval=10)
+        >>> trainer = Trainer(callbacks=[AccumulationScheduler(4), monitor], enable_progress_bar=False)
+    """
+
+    def __init__(self, logging_interval: int = 1) -> None:
+        if isinstance(logging_interval, bool) or not isinstance(logging_interval, int):
+            raise TypeError(
+                f"`logging_interval` must be an int (optimizer steps), got {logging_interval!r} of type"
+                f" {type(logging_interval).__name__}."
+            )
+        if logging_interval < 1:
+            raise ValueError(
+                f"`logging_interval` must be >= 1 (log every that many optimizer steps), got {logging_interval}."
+            )
+        self.logging_interval = logging_interval
+        self._backend: MemoryBackend | None = None
+        self._loss = WeightedMean()
+        self._reset_fit_counters()
+
+    def _reset_fit_counters(self) -> None:
+        self._last_step = 0
+        self._loss_updated = False
+        # Counted from the batches, for when no callback owns accumulation (all local to this rank).
+        self._window_samples = 0
+        self._window_micro_batches = 0
+        self._window_first_size = 0
+        self._last_window = (0, 0, 0)  # (samples, micro-batches, first micro-batch size) of the last step
+        self._interval_local_samples = 0
+        # Taken from the owner's state, already global.
+        self._interval_samples = 0.0
+        self._interval_items = 0.0
+        self._interval_start = time.perf_counter()
+        self._excluded_seconds = 0.0
+        self._validation_start: float | None = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    # setup
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._backend = backend_for(trainer.strategy.root_device)
+        self._loss = self._loss.to(trainer.strategy.root_device)
+        self._loss.reset()
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
+            from lightning_accum.integrations.wandb import define_metrics, record_config
+
+            settings = self._settings(trainer)
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    define_metrics(logger.experiment)
+                    record_config(logger.experiment, settings)
+
+    def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
+        state = find_state(trainer.callbacks)
+        if state is not None:
+            settings = dict(state.settings)  # a copy: the owner's dict is not ours to change
+        else:
+            settings = {"mode": "lightning", "accumulate_grad_batches": trainer.accumulate_grad_batches}
+        settings["world_size"] = trainer.world_size
+        settings["monitor_logging_interval"] = self.logging_interval
+        return settings
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_fit_counters()
+        self._last_step = trainer.global_step
+        self._loss.reset()
+        if self._backend is not None:
+            self._backend.reset_peak()
+        self._interval_start = time.perf_counter()
+
+    # Validation inside fit is not training throughput.
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._validation_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None:
+            self._excluded_seconds += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    # every micro-batch: host-side counting only
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        owner = _find_owner(trainer)
+        state = owner.accumulation_state if owner is not None else None
+        if state is None:
+            n_samples = batch_size_of(batch)
+            if self._window_micro_batches == 0:
+                self._window_first_size = n_samples
+            self._window_samples += n_samples
+            self._window_micro_batches += 1
+            self._interval_local_samples += n_samples
+        if not _provides_window_loss(state):
+            self._update_loss_from_outputs(trainer, owner, outputs, batch)
+
+        if trainer.global_step == self._last_step:
+            return  # still inside the window
+        self._last_step = trainer.global_step
+        if state is None:
+            self._last_window = (self._window_samples, self._window_micro_batches, self._window_first_size)
+            self._window_samples = self._window_micro_batches = 0
+        else:
+            self._interval_samples += state.samples_per_step
+            self._interval_items += state.items_per_step
+            if _provides_window_loss(state):
+                self._update_loss(state.window_loss_sum, state.window_items, reduction="sum")  # type: ignore[attr-defined]
+        if trainer.global_step % self.logging_interval == 0:
+            self._log(trainer, state)
+
+    def _update_loss_from_outputs(self, trainer: pl.Trainer, owner: Any, outputs: Any, batch: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor):
+            return  # training_step skipped this micro-batch
+        # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
+        value = loss.detach() * trainer.accumulate_grad_batches
+        counter = getattr(owner, "count_items", None)
+        reduction = getattr(owner, "loss_reduction", "mean")
+        self._update_loss(value, count_items(batch, counter), reduction=reduction)
+
+    def _update_loss(self, value: Tensor | float, items: Tensor | float, reduction: str) -> None:
+        device = self._loss.device
+        value = torch.as_tensor(value, dtype=torch.float32, device=device)
+        weight = torch.as_tensor(items, dtype=torch.float32, device=device)
+        if reduction == "sum":
+            value = value / weight.clamp(min=1.0)  # a mean over the items, weighted by their number
+        # An empty micro-batch has a NaN mean and no weight: it must add nothing, not NaN (no host read to check).
+        value = torch.where(weight > 0, value, torch.zeros_like(value))
+        self._loss.update(value, weight)
+        self._loss_updated = True
+
+    # ----------------------------------------------------------------------------------------------------------
+    # logging steps: the only place that synchronizes
+    # ----------------------------------------------------------------------------------------------------------
+    def _log(self, trainer: pl.Trainer, state: AccumulationState | None) -> None:
+        # Every rank runs this block in the same order: it holds collectives.
+        if not self._loss_updated:
+            self._update_loss(0.0, 0.0, reduction="mean")  # keeps compute() symmetric across ranks, adds nothing
+        window_loss = float(self._loss.compute())  # syncs ranks and the device, so the clock below is honest
+        self._loss.reset()
+        self._loss_updated = False
+        now = time.perf_counter()
+
+        if state is None:
+            samples, micro_batches, first_size = self._last_window
+            local = torch.tensor([samples, self._interval_local_samples], dtype=torch.float64)
+            sum_fn = sum_across_ranks_fn(trainer)
+            step_samples, interval_samples = (sum_fn(local) if sum_fn is not None else local).tolist()
+            figures_batch: dict[str, Any] = {
+                "samples_per_step": int(step_samples),
+                "micro_batch_size": first_size,
+                "accumulation_steps": micro_batches,
+                "items_per_step": step_samples,  # without an owner there is no item counter: items are samples
+                "oom_retries": 0,
+            }
+            interval_items = interval_samples
+        else:
+            figures_batch = {
+                "samples_per_step": state.samples_per_step,
+                "micro_batch_size": state.micro_batch_size,
+                "accumulation_steps": state.accumulation_steps,
+                "items_per_step": state.items_per_step,
+                "oom_retries": state.oom_retries,
+            }
+            interval_samples, interval_items = self._interval_samples, self._interval_items
+
+        backend = self._backend if self._backend is not None else backend_for(trainer.strategy.root_device)
+        reserved = backend.peak_reserved_bytes()
+        local_memory = torch.tensor(
+            [backend.peak_bytes(), -1 if reserved is None else reserved, backend.capacity_bytes()], dtype=torch.int64
+        )
+        peak, peak_reserved, capacity = max_across_ranks(trainer, local_memory).tolist()
+        backend.reset_peak()
+        events = state.take_events() if state is not None else []
+
+        figures = StepFigures(
+            **figures_batch,
+            window_loss=window_loss,
+            peak_bytes=peak,
+            capacity_bytes=capacity,
+            peak_reserved_bytes=None if peak_reserved < 0 else peak_reserved,
+            budget_fraction=_budget_fraction(state, capacity),
+            interval_samples=interval_samples,
+            interval_items=interval_items,
+            interval_seconds=now - self._interval_start - self._excluded_seconds,
+        )
+        metrics = {**figures.as_metrics(), **event_metrics(events)}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        _log_events(events)
+
+        self._interval_local_samples = 0
+        self._interval_samples = self._interval_items = 0.0
+        self._excluded_seconds = 0.0
+        self._interval_start = time.perf_counter()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Every figure is per interval and restarts with the run, so only the settings are saved.
+        return {"version": 1, "logging_interval": self.logging_interval}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The constructor argument wins over the checkpoint: a resumed run may log at a new interval on purpose.
+        return None
+
+
+def _find_owner(trainer: pl.Trainer) -> Any | None:
+    """The callback that owns accumulation (it exposes an :class:`AccumulationState`), if any."""
+    for callback in trainer.callbacks:
+        if isinstance(getattr(callback, "accumulation_state", None), AccumulationState):
+            return callback
+    return None
+
+
+def _provides_window_loss(state: AccumulationState | None) -> bool:
+    # Split mode runs its micro-batches inside one Lightning batch, so only the owner knows their losses.
+    return state is not None and getattr(state, "window_loss_sum", None) is not None
+
+
+def _budget_fraction(state: AccumulationState | None, capacity_bytes: int) -> float:
+    max_memory = state.settings.get("max_memory") if state is not None else None
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
+        max_memory = None
+    return budget_fraction(max_memory, capacity_bytes)
+
+
+@rank_zero_only
+def _log_events(events: list[AccumulationEvent]) -> None:
+    for event in events:
+        log.info(event.message())

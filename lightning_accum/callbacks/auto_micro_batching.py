@@ -1,0 +1,400 @@
+"""``AutoMicroBatching``: split each step batch into micro-batches that fit, and never lose a step to an OOM."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accum import _compat
+from lightning_accum.distributed import all_reduce_gradients, any_across_ranks, sum_across_ranks_fn
+from lightning_accum.memory.backends import MemoryBackend, backend_for
+from lightning_accum.memory.oom import OOMInjector, is_oom_error, release_memory
+from lightning_accum.normalization import (
+    ItemCounter,
+    LossReduction,
+    WindowNormalizer,
+    batch_size_of,
+    check_loss_reduction,
+    count_items,
+)
+from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.splitting import split_batch
+from lightning_accum.state import AccumulationEvent, AccumulationState
+from lightning_accum.step_logs import StepLogCombiner
+
+log = logging.getLogger("lightning_accum")
+
+GradientSync = Literal["deferred", "overlap"]
+_NO_FAULT, _OOM, _OTHER_ERROR = 0, 1, 2
+
+
+class AutoMicroBatching(Callback):
+    """Split mode: cut each step batch into the largest micro-batches that fit, and recover from OOMs in place.
+
+    The dataloader yields each device's whole step batch. For every optimizer step, the batch is split into
+    micro-batches of size ``b``; the unchanged ``training_step`` runs once per micro-batch (with the step's
+    ``batch_idx``) and the gradients are combined into the exact mean over all items of the step on all ranks, as in
+    :class:`~lightning_accum.AccumulationScheduler`. ``b`` adapts to memory, so ``k = ceil(B / b)`` does too, while
+    the effective batch size stays the dataloader's.
+
+    * **OOM recovery.** An out-of-memory error in any micro-batch's forward or backward discards the attempt's
+      gradients, frees memory, shrinks ``b`` and re-runs the same step batch: no sample is lost or counted twice.
+      Every rank learns of the OOM through one small all-reduce and retries together.
+    * **Before memory runs out.** When a step's peak passes the budget (or CUDA's allocator retries keep rising),
+      the next step uses a smaller ``b``; a linear model ``peak(b) = fixed + per_sample * b`` fitted to the measured
+      peaks predicts the largest ``b`` that fits.
+    * **Growing back.** When the peak stays under a low watermark for ``grow_patience`` steps, ``b`` grows, never to
+      a size that ran out of memory within the last ``oom_cooldown`` steps.
+    * **DDP.** Gradients are accumulated locally and summed across ranks once, after every rank has finished its
+      micro-batches (``gradient_sync="deferred"``, the default): an OOM anywhere can then never leave a rank waiting
+      in DDP's all-reduce. ``"overlap"`` lets DDP overlap the all-reduce with the last micro-batch's backward; it is
+      faster but an OOM *inside that last backward* on one rank is not recoverable.
+
+    ``self.log`` calls in ``training_step`` are combined into one value per step (see :mod:`lightning_accum.step_logs`).
+    ``training_step`` outputs other than the loss are those of the last micro-batch.
+
+    Args:
+        micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's prediction); an
+            int starts there and still shrinks on OOM.
+        max_memory: the peak-memory budget: a fraction of the device's capacity in (0, 1] or a number of bytes.
+            ``None`` means 0.9 of capacity.
+        min_micro_batch_size: never split finer than this; an OOM at this size raises an error with the memory
+            figures.
+        count_items: counts the items of a micro-batch (default: its samples).
+        loss_reduction: whether ``training_step`` returns the ``"mean"`` or the ``"sum"`` over its items.
+        pin_micro_batch_size: keep an int ``micro_batch_size`` fixed except to survive an OOM.
+        low_watermark: fraction of the budget under which the planner may grow ``b``.
+        grow_patience: steps under the low watermark before growing.
+        oom_cooldown: steps before a size that ran out of memory is tried again.
+        predictive: predict sizes from the fitted memory model instead of halving and doubling.
+        gradient_sync: ``"deferred"`` (OOM-safe under DDP) or ``"overlap"`` (faster, not OOM-safe in the last
+            backward).
+        fault_injector: raises simulated OOMs at chosen points, for testing recovery.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: ``max_memory`` outside (0, 1] as a fraction or < 1 as bytes, ``micro_batch_size`` < 1, an
+            unknown ``loss_reduction`` or ``gradient_sync``, or ``Trainer(accumulate_grad_batches != 1)``.
+        RuntimeError: manual optimization, a strategy other than single-device or DDP (DeepSpeed, FSDP), or
+            another accumulation callback in the same Trainer.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[AutoMicroBatching(max_memory=0.8)], logger=False, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        *,
+        max_memory: float | int | None = None,
+        min_micro_batch_size: int = 1,
+        count_items: ItemCounter | None = None,
+        loss_reduction: LossReduction = "mean",
+        pin_micro_batch_size: bool = False,
+        low_watermark: float = 0.7,
+        grow_patience: int = 20,
+        oom_cooldown: int = 200,
+        predictive: bool = True,
+        gradient_sync: GradientSync = "deferred",
+        fault_injector: OOMInjector | None = None,
+    ) -> None:
+        self.max_memory = _check_max_memory(max_memory)
+        if gradient_sync not in ("deferred", "overlap"):
+            raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
+        if count_items is not None and not callable(count_items):
+            raise TypeError(f"`count_items` must be a function of a batch, got {count_items!r}.")
+        self.count_items = count_items
+        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
+        self.gradient_sync: GradientSync = gradient_sync
+        self.fault_injector = fault_injector
+        # The planner validates the sizes and thresholds; the budget is set once the device is known.
+        self.planner = MicroBatchPlanner(
+            micro_batch_size,
+            min_micro_batch_size=min_micro_batch_size,
+            low_watermark=low_watermark,
+            grow_patience=grow_patience,
+            oom_cooldown=oom_cooldown,
+            predictive=predictive,
+            pinned=pin_micro_batch_size,
+        )
+        self.normalizer = WindowNormalizer(loss_reduction)
+        self.accumulation_state = AccumulationState(mode="split")
+        self.gradient_allreduces = 0  # collectives issued by the deferred gradient sync, for tests and benchmarks
+
+        self._trainer: pl.Trainer | None = None
+        self._backend: MemoryBackend | None = None
+        self._size = 0  # micro-batch size of the current step
+        self._retries_at_start = 0
+        self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
+        self._logs: StepLogCombiner | None = None
+        self._undo: list[Any] = []
+
+    # ----------------------------------------------------------------------------------------------------------
+    # setup and teardown
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "`AutoMicroBatching` needs automatic optimization, but this LightningModule sets"
+                " `automatic_optimization = False`. Under manual optimization, split the batch yourself and use"
+                " `lightning_accum.ManualAccumulation`."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot be combined with"
+                " `AutoMicroBatching`: in split mode each dataloader batch is one optimizer step. Remove"
+                " `accumulate_grad_batches` and make the dataloader yield the whole per-device step batch."
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
+            raise RuntimeError(
+                f"`AutoMicroBatching` supports single-device and DDP strategies, got {type(strategy).__name__}."
+                " Use `AccumulationScheduler` (window mode) with FSDP, or the strategy's own accumulation with"
+                " DeepSpeed."
+            )
+        others = [cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "accumulation_state")]
+        if others:
+            raise RuntimeError(
+                f"`AutoMicroBatching` and `{type(others[0]).__name__}` both want to own gradient accumulation."
+                " Keep one of them."
+            )
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)  # the exact gradient before any other `on_before_optimizer_step`
+        self.accumulation_state.world_size = trainer.world_size
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = trainer
+        self._backend = backend_for(trainer.strategy.root_device)
+        capacity = self._backend.capacity_bytes()
+        budget = self.max_memory * capacity if isinstance(self.max_memory, float) else float(self.max_memory)
+        self.planner.budget_bytes = budget
+        self._logs = StepLogCombiner(pl_module)
+        self._undo.append(_compat.install_split_closure(trainer, self._run_step))
+        self.accumulation_state.settings = {
+            "mode": "split",
+            "micro_batch_size": self.planner.micro_batch_size_setting,
+            "max_memory_bytes": budget,
+            "memory_capacity_bytes": capacity,
+            "count_items": getattr(self.count_items, "__qualname__", None) or repr(self.count_items or "samples"),
+            "loss_reduction": self.loss_reduction,
+            "gradient_sync": self.gradient_sync,
+        }
+        _log_info(
+            f"lightning_accum: split mode, memory budget {budget / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB"
+            f" ({self._backend.name})"
+        )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # one optimizer step
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._backend is not None
+        self._backend.reset_peak()
+        self._retries_at_start = self._backend.alloc_retries()
+
+    def _run_step(self, context: _compat.SplitStepContext) -> Any:
+        """The closure of one optimizer step: every micro-batch's forward and backward, retried after an OOM."""
+        trainer = self._trainer
+        assert trainer is not None
+        step_batch_size = batch_size_of(context.batch)
+        while True:
+            self._size = self.planner.size_for(step_batch_size)
+            fault = _NO_FAULT
+            try:
+                outcome = self._attempt(trainer, context, self._size)
+            except Exception as err:  # classified below; anything that isn't an OOM is re-raised after agreement
+                if not is_oom_error(err):
+                    self._agree_on_fault(trainer, _OTHER_ERROR)
+                    raise
+                fault = _OOM
+                detail = str(err).splitlines()[0][:200]
+            if fault == _OOM:
+                # The failed attempt's graph died with its frame; drop its gradients and cached blocks too.
+                context.zero_grad()
+                release_memory()
+            agreed = self._agree_on_fault(trainer, fault)
+            if agreed == _NO_FAULT:
+                break
+            if agreed == _OTHER_ERROR:
+                raise RuntimeError(
+                    "Another rank failed with an error that is not an out-of-memory error; this rank stops too."
+                    " See that rank's traceback."
+                )
+            before = self._size
+            self.planner.on_oom(self._size, trainer.global_step)  # raises at the minimum size, on every rank
+            self.accumulation_state.oom_retries += 1
+            where = detail if fault == _OOM else "on another rank"
+            _log_info(f"lightning_accum: OOM at micro-batch size {before} ({where}); retrying the step")
+            self._take_planner_events(trainer)
+        loss, extra = outcome
+        if self.gradient_sync == "deferred" and trainer.world_size > 1:
+            params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
+            self.gradient_allreduces += all_reduce_gradients(params, _compat.ddp_process_group(trainer.strategy))
+            self._grads_summed = True
+        assert self._logs is not None
+        self._logs.replay(batch_size=step_batch_size)
+        return context.make_result(loss, extra)
+
+    def _attempt(
+        self, trainer: pl.Trainer, context: _compat.SplitStepContext, size: int
+    ) -> tuple[Tensor, dict[str, Any]]:
+        assert self._logs is not None
+        self._logs.clear()
+        context.zero_grad()
+        micro_batches = split_batch(context.batch, size)
+        self.normalizer.start_window(len(micro_batches))
+        weighted_loss: Tensor | float = 0.0
+        total_weight: Tensor | float = 0.0
+        extra: dict[str, Any] = {}
+        rank, step = trainer.global_rank, trainer.global_step
+        for index, micro_batch in enumerate(micro_batches):
+            n_items = count_items(micro_batch, self.count_items)
+            weight = self.normalizer.add_micro_batch(n_items, batch_size_of(micro_batch))
+            last = index == len(micro_batches) - 1
+            if last and self.gradient_sync == "overlap" and trainer.world_size > 1:
+                # Agree that every rank got this far before DDP's synced backward; past here an OOM is fatal.
+                if self._agree_on_fault(trainer, _NO_FAULT) != _NO_FAULT:
+                    raise RuntimeError("Another rank failed before the synced backward; this rank stops too.")
+            with self._sync_blocked(trainer, blocked=not last or self.gradient_sync == "deferred"):
+                if self.fault_injector is not None:
+                    self.fault_injector.check(
+                        rank=rank, step=step, micro_batch=index, phase="forward", micro_batch_size=size
+                    )
+                with self._logs.capture(n_items):
+                    result = context.training_step(micro_batch)
+                loss = result.closure_loss
+                if loss is None:
+                    raise RuntimeError(
+                        "`training_step` returned None for a micro-batch. Under `AutoMicroBatching` every micro-batch"
+                        " must return its loss."
+                    )
+                if self.fault_injector is not None:
+                    self.fault_injector.arm_backward(loss, rank=rank, step=step, micro_batch=index, micro_batch_size=size)
+                if context.backward is not None:
+                    context.backward(loss * weight)
+            item_weight = n_items if self.loss_reduction == "mean" else 1
+            weighted_loss = weighted_loss + loss.detach() * item_weight
+            total_weight = total_weight + n_items
+            extra = result.extra
+            del result, loss
+        window_loss = torch.as_tensor(weighted_loss) / torch.as_tensor(total_weight).clamp(min=1)
+        return window_loss, extra
+
+    def _agree_on_fault(self, trainer: pl.Trainer, fault: int) -> int:
+        """The worst fault over all ranks (one small all-reduce; every rank calls it once per attempt)."""
+        if trainer.world_size <= 1:
+            return fault
+        flags = torch.tensor([fault], dtype=torch.int64, device=trainer.strategy.root_device)
+        return int(any_across_ranks(trainer, flags).item())
+
+    @contextlib.contextmanager
+    def _sync_blocked(self, trainer: pl.Trainer, blocked: bool) -> Iterator[None]:
+        strategy = trainer.strategy
+        if blocked and trainer.world_size > 1 and hasattr(strategy, "block_backward_sync"):
+            with strategy.block_backward_sync():
+                yield
+        else:
+            yield
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Deferred sync summed the buffers over ranks; DDP's own sync averaged them.
+        world_size = 1 if self._grads_summed else trainer.world_size
+        totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), world_size)
+        self._grads_summed = False
+        state = self.accumulation_state
+        state.micro_batch_size = self._size
+        state.accumulation_steps = totals.micro_batches // max(1, trainer.world_size)
+        state.samples_per_step = totals.samples
+        state.items_per_step = totals.items
+        state.consumed_samples += totals.samples
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._backend is not None
+        local = torch.tensor(
+            [self._backend.peak_bytes(), self._backend.alloc_retries() - self._retries_at_start], dtype=torch.int64
+        )
+        peak, retries = (int(v) for v in any_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
+        self.planner.on_step(self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
+        self._take_planner_events(trainer)
+
+    def _take_planner_events(self, trainer: pl.Trainer) -> None:
+        for event in self.planner.take_events():
+            accumulation_event = AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason)
+            self.accumulation_state.events.append(accumulation_event)
+            _log_info(accumulation_event.message())
+
+    # ----------------------------------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "planner": self.planner.state_dict(),
+            "normalizer": self.normalizer.state_dict(),
+            "consumed_samples": self.accumulation_state.consumed_samples,
+            "oom_retries": self.accumulation_state.oom_retries,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.planner.load_state_dict(state_dict.get("planner", {}))
+        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
+        self.accumulation_state.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        self.accumulation_state.oom_retries = int(state_dict.get("oom_retries", 0))
+
+
+def _check_max_memory(max_memory: Any) -> float | int:
+    if max_memory is None:
+        return 0.9
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
+        raise TypeError(
+            f"`max_memory` must be a fraction of device memory (a float in (0, 1]) or a number of bytes (an int),"
+            f" got {max_memory!r} of type {type(max_memory).__name__}."
+        )
+    if isinstance(max_memory, float):
+        if not 0.0 < max_memory <= 1.0:
+            raise ValueError(
+                f"`max_memory` as a fraction of device memory must be in (0, 1], got {max_memory}. For a number of"
+                " bytes pass an int, e.g. `max_memory=8 * 2**30` for 8 GiB."
+            )
+        return max_memory
+    if max_memory < 1:
+        raise ValueError(f"`max_memory` in bytes must be >= 1, got {max_memory}. For a fraction pass a float.")
+    return max_memory
+
+
+@rank_zero_only
+def _log_info(message: str) -> None:
+    log.info(message)

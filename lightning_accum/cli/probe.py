@@ -1,0 +1,122 @@
+r"""``lightning-accum probe``: measure whether gradient accumulation lowers or raises peak memory on your model.
+
+Examples::
+
+    lightning-accum probe --model my_pkg.models:MyModel --init-args '{"width": 512}' \\
+        --data my_pkg.data:MyDataModule --data-init-args '{"root": "data"}' \\
+        --batch-size 64 --accumulation-steps 2 4 --budget-gib 8 --output-dir probe_out
+    lightning-accum probe --config config.yaml --batch-size 64 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object like '{{\"width\": 512}}', got {text!r} ({err})"
+        ) from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"width\": 512}}', got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``probe`` subcommand to an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "probe",
+        help="measure peak memory with and without gradient accumulation on your model",
+        description=(
+            "Run a few real training steps for the full batch B, for k micro-batches of B/k, and for B/k without "
+            "accumulation; report the peak live tensor memory split into parameters, gradients, optimizer state and "
+            "activations, fit peak(b), and say which micro-batch fits a budget."
+        ),
+    )
+    source = parser.add_argument_group("model and data (an import path with init args, or a LightningCLI config)")
+    source.add_argument("--model", help="LightningModule import path, 'pkg.mod:Class'")
+    source.add_argument("--init-args", type=_json_object, default={}, help="JSON kwargs for --model")
+    source.add_argument(
+        "--data", help="LightningDataModule, or a function (micro_batch_size, **kwargs) -> batch, as 'pkg.mod:Name'"
+    )
+    source.add_argument("--data-init-args", type=_json_object, default={}, help="JSON kwargs for --data")
+    source.add_argument(
+        "--config",
+        help="a LightningCLI YAML config; its model/data sections give class_path and init_args, or only init_args "
+        "for the classes named by --model/--data",
+    )
+    parser.add_argument("--batch-size", type=int, help="the full batch B per device (default: the datamodule's)")
+    parser.add_argument(
+        "--accumulation-steps",
+        type=int,
+        nargs="+",
+        action="extend",
+        help="accumulation steps k to compare, each dividing B; repeatable (default: 2 4)",
+    )
+    parser.add_argument(
+        "--fit-micro-batch-sizes",
+        type=int,
+        nargs="+",
+        help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
+    )
+    parser.add_argument("--budget-gib", type=float, help="a memory budget in GiB: which micro-batch fits it?")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps per configuration (default: 2)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument("--output-dir", help="write probe.txt, probe.json and probe.png here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the probe, print the table and write the files; return the exit status."""
+    # Resolve import paths from the working directory, as `python -m` would: a console script does not add it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    data_init_args: dict[str, Any] = dict(args.data_init_args)
+    if args.config:
+        # With a config, --model/--data name the classes of sections that carry only init args.
+        module, data_factory = load_cli_config(args.config, args.model, args.data)
+        data: Any = None if data_factory is None else data_factory()
+        module_init_args: dict[str, Any] = {}
+    elif args.model:
+        module, data, module_init_args = args.model, args.data, args.init_args
+    else:
+        raise SystemExit(
+            "error: `--model` (an import path 'pkg.mod:Class') or `--config` (a LightningCLI YAML) is needed."
+        )
+    if data is None:
+        raise SystemExit("error: `--data` (an import path) or a `data` section in `--config` is needed.")
+    if isinstance(data, str):
+        data = import_object(data, "--data")
+    if isinstance(data, type):  # a datamodule class: build it now so its batch size can be the default B
+        data, data_init_args = data(**data_init_args), {}
+    batch_size = args.batch_size if args.batch_size is not None else getattr(data, "batch_size", None)
+    if not isinstance(batch_size, int):
+        raise SystemExit("error: `--batch-size` is needed: the data has no int `batch_size` to default to.")
+    result = probe_memory(
+        module,
+        data,
+        batch_size=batch_size,
+        accumulation_steps=args.accumulation_steps or (2, 4),
+        fit_micro_batch_sizes=args.fit_micro_batch_sizes,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        device=args.device,
+        budget_bytes=None if args.budget_gib is None else args.budget_gib * 2**30,
+        module_init_args=module_init_args,
+        data_init_args=data_init_args,
+    )
+    print(result.table())
+    if args.output_dir:
+        paths = write_outputs(result, args.output_dir)
+        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

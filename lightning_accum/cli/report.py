@@ -1,0 +1,185 @@
+"""``lightning-accum report RUN``: the dashboard's panels as one PNG, from a W&B offline run or a CSVLogger file.
+
+The panels are :data:`lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
+a run looks the same with or without W&B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_accum import keys
+from lightning_accum.integrations.wandb import (
+    PANEL_LAYOUT,
+    STEP_METRIC,
+    SectionSpec,
+    layout_keys,
+    read_offline_run,
+)
+from lightning_accum.monitoring import BUDGET_FRACTION
+
+Series = dict[str, list[tuple[float, float]]]
+"""key -> ``(step, value)`` points, in logging order."""
+
+_COLUMNS = 3
+# Limits, not measurements: drawn dashed so the eye reads them as the line not to cross.
+_REFERENCE_KEYS = frozenset({BUDGET_FRACTION})
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``report`` subcommand to an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "report",
+        help="plot a run's accumulation, memory, recovery and throughput metrics to a PNG",
+        description=(
+            "Draw the panels of the lightning_accum W&B dashboard (batch, memory, recovery, throughput) from a run"
+            " logged by AccumulationMonitor, without W&B's servers."
+        ),
+    )
+    parser.add_argument(
+        "run",
+        metavar="RUN",
+        help=(
+            "a W&B offline run directory or its run-*.wandb file, a wandb/ directory (its latest run), or a"
+            " CSVLogger metrics.csv (or the directory that holds it)"
+        ),
+    )
+    parser.add_argument(
+        "--output", "-o", default="lightning_accum_report.png", help="the PNG to write (default: %(default)s)"
+    )
+    parser.add_argument("--title", help="the figure title (default: the run's path)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the run, draw the panels and write the PNG; return the exit status."""
+    try:
+        series = load_series(args.run)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from err
+    if not any(series.get(key) for key in layout_keys()):
+        raise SystemExit(
+            f"error: {args.run!r} holds none of the lightning_accum metrics ({keys.EFFECTIVE_BATCH_SIZE}, ...)."
+            " Was `AccumulationMonitor` among the Trainer's callbacks?"
+        )
+    output = write_report(series, args.output, title=args.title or str(args.run))
+    print(f"wrote {output}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# reading
+# ------------------------------------------------------------------------------------------------------------------
+def load_series(path: str | Path) -> Series:
+    """Every numeric metric of a run as ``(step, value)`` points; the step is the optimizer step.
+
+    Raises:
+        FileNotFoundError: nothing readable at ``path``.
+        ValueError: a file that is neither a W&B transaction log nor a CSV with a ``step`` column.
+    """
+    path = Path(path)
+    csv_file = path if path.suffix == ".csv" else path / "metrics.csv"
+    if csv_file.is_file():
+        return _series_from_csv(csv_file)
+    if path.suffix == ".csv":
+        raise FileNotFoundError(f"No CSV file at {str(path)!r}.")
+    return _series_from_rows(read_offline_run(path).history, STEP_METRIC)
+
+
+def _series_from_csv(path: Path) -> Series:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError(f"{str(path)!r} has no `step` column: expected a CSVLogger metrics.csv.")
+        return _series_from_rows(list(reader), "step")
+
+
+def _series_from_rows(rows: Sequence[Mapping[str, Any]], step_key: str) -> Series:
+    series: Series = {}
+    for row in rows:
+        step = _number(row.get(step_key))
+        if step is None:
+            continue
+        for key, raw in row.items():
+            value = _number(raw)
+            if key != step_key and value is not None:
+                series.setdefault(key, []).append((step, value))
+    return series
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# drawing
+# ------------------------------------------------------------------------------------------------------------------
+def write_report(
+    series: Series, output: str | Path, *, title: str = "", layout: Sequence[SectionSpec] = PANEL_LAYOUT
+) -> Path:
+    """Draw one row of panels per section of ``layout`` (wrapping at three panels) and save the PNG."""
+    # The object API with an Agg canvas: no pyplot, so no global backend is chosen for the caller's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows_per_section = [math.ceil(len(section.panels) / _COLUMNS) for section in layout]
+    figure = Figure(figsize=(5.0 * _COLUMNS, 3.1 * sum(rows_per_section) + 0.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    if title:
+        figure.suptitle(title, fontsize=13, fontweight="bold")
+    subfigures = figure.subfigures(len(layout), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
+    for section, subfigure, n_rows in zip(layout, subfigures, rows_per_section):
+        subfigure.suptitle(section.name, fontsize=12, fontweight="bold", x=0.01, ha="left")
+        axes = subfigure.subplots(n_rows, _COLUMNS, squeeze=False).ravel()
+        for ax, panel in zip(axes, section.panels):
+            _draw_panel(ax, panel, series)
+        for ax in axes[len(section.panels) :]:
+            ax.set_visible(False)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    return output
+
+
+def _draw_panel(ax: Any, panel: Any, series: Series) -> None:
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("optimizer step", fontsize=8)
+    ax.set_ylabel(panel.y_label, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(True, alpha=0.3)
+    drawn = 0
+    for key in panel.keys:
+        points = series.get(key)
+        if not points:
+            continue
+        steps, values = zip(*points)
+        if panel.style == "points":
+            ax.scatter(steps, values, s=28, label=key, zorder=3)
+        elif key in _REFERENCE_KEYS:
+            ax.plot(steps, values, linestyle="--", linewidth=1.5, color="tab:red", label=key)
+        else:
+            ax.plot(steps, values, marker="." if len(points) < 60 else None, linewidth=1.3, label=key)
+        drawn += 1
+    if drawn == 0:
+        ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    elif len(panel.keys) > 1:
+        ax.legend(fontsize=7, loc="best")
+    low, high = panel.y_range
+    if drawn and (low is not None or high is not None):
+        if high is None:
+            # Headroom above the largest value, so a flat series does not sit on the frame; 1 when all are 0.
+            finite = [v for key in panel.keys for _, v in series.get(key, []) if math.isfinite(v)]
+            largest = max(finite, default=0.0)
+            high = largest * 1.1 if largest > (low or 0) else (low or 0) + 1
+        ax.set_ylim(low, high)
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")

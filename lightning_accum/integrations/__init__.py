@@ -1,0 +1,1 @@
+"""Integrations with experiment trackers. Each module imports its tracker lazily, so the package works without it."""

@@ -1,0 +1,422 @@
+"""W&B integration: metric definitions, run config, the ready-made workspace, and a reader for offline runs.
+
+``wandb`` and ``wandb_workspaces`` are imported inside the functions that need them (the ``wandb`` extra), so that
+:data:`PANEL_LAYOUT` and the offline reader's file format code stay importable without them.
+
+Two entry points never touch the network: :func:`spec_to_json` (the dashboard as JSON) and :func:`read_offline_run`
+(a run's ``.wandb`` transaction log read back from disk). Only :func:`save_dashboard` uploads.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_accum import keys
+from lightning_accum.monitoring import BUDGET_FRACTION
+
+if TYPE_CHECKING:
+    from wandb_workspaces.workspaces import Workspace
+
+STEP_METRIC = "trainer/global_step"
+"""The x-axis: the key Lightning's ``WandbLogger.log_metrics`` adds to every row (``lightning/pytorch/loggers/wandb.py``,
+``log_metrics``), and the step metric it defines for ``"*"``. Our definitions use the same one."""
+
+CONFIG_KEY = "lightning_accum"
+"""The run-config entry that holds the accumulation settings."""
+
+MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
+"""Keys whose run summary is their maximum (a memory peak matters at its worst, not at the last step)."""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the panels: one layout for the W&B workspace and the `lightning-accum report` PNG
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PanelSpec:
+    """One line plot: a title, the keys it draws against :data:`STEP_METRIC`, and how to draw them."""
+
+    title: str
+    keys: tuple[str, ...]
+    y_label: str
+    y_range: tuple[float | None, float | None] = (None, None)
+    style: Literal["line", "points"] = "line"
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    """A named group of panels (a W&B workspace section, a row of the report)."""
+
+    name: str
+    panels: tuple[PanelSpec, ...]
+
+
+# Counts, sizes and rates are drawn from zero, so that a flat line reads as flat rather than as noise.
+_FROM_ZERO: tuple[float | None, float | None] = (0, None)
+
+PANEL_LAYOUT: tuple[SectionSpec, ...] = (
+    SectionSpec(
+        "Batch",
+        (
+            PanelSpec("Effective batch size", (keys.EFFECTIVE_BATCH_SIZE,), "samples / step (all ranks)", _FROM_ZERO),
+            PanelSpec("Micro-batch size", (keys.MICRO_BATCH_SIZE,), "samples / micro-batch", _FROM_ZERO),
+            PanelSpec("Accumulation steps", (keys.ACCUMULATION_STEPS,), "micro-batches / step", _FROM_ZERO),
+            PanelSpec("Items per step", (keys.ITEMS_PER_STEP,), "items / step (all ranks)", _FROM_ZERO),
+            PanelSpec("Window loss", (keys.WINDOW_LOSS,), "item-weighted mean loss"),
+        ),
+    ),
+    SectionSpec(
+        "Memory",
+        (
+            PanelSpec("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)", _FROM_ZERO),
+            PanelSpec("Peak fraction vs budget", (keys.PEAK_FRACTION, BUDGET_FRACTION), "fraction of capacity", (0, 1.05)),
+            # Apart from the peak: on a large host the capacity would flatten the peak's line to zero.
+            PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", _FROM_ZERO),
+        ),
+    ),
+    SectionSpec(
+        "Recovery",
+        (
+            PanelSpec("OOM retries", (keys.OOM_RETRIES,), "OOMs recovered (cumulative)", _FROM_ZERO),
+            PanelSpec("Events", keys.EVENT_KEYS, "size after the change", style="points"),
+        ),
+    ),
+    SectionSpec(
+        "Throughput",
+        (
+            PanelSpec("Samples / s", (keys.SAMPLES_PER_SEC,), "samples / s (all ranks)", _FROM_ZERO),
+            PanelSpec("Items / s", (keys.ITEMS_PER_SEC,), "items / s (all ranks)", _FROM_ZERO),
+        ),
+    ),
+)
+"""The dashboard: sections Batch, Memory, Recovery and Throughput, drawn against :data:`STEP_METRIC`."""
+
+
+def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]:
+    """Every metric key the layout draws, in layout order."""
+    return tuple(key for section in layout for panel in section.panels for key in panel.keys)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# a live run: metric definitions and config
+# ------------------------------------------------------------------------------------------------------------------
+def define_metrics(run: Any) -> None:
+    """Define every contract key on ``run`` against :data:`STEP_METRIC`, with max summaries for memory peaks.
+
+    Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
+    take precedence over the glob.
+    """
+    run.define_metric(STEP_METRIC)
+    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS):
+        kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
+        if key in MAX_SUMMARY_KEYS:
+            kwargs["summary"] = "max"
+        run.define_metric(key, **kwargs)
+
+
+def record_config(run: Any, settings: Mapping[str, Any]) -> None:
+    """Put the accumulation ``settings`` into ``run``'s config under :data:`CONFIG_KEY`.
+
+    ``allow_val_change`` because a second ``fit`` (or a resumed run) may record different settings.
+    """
+    run.config.update({CONFIG_KEY: _json_safe(dict(settings))}, allow_val_change=True)
+
+
+def _json_safe(value: Any) -> Any:
+    # W&B's config must be JSON: keep what JSON can hold and describe everything else.
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return repr(value)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# offline runs: the transaction log read back from disk
+# ------------------------------------------------------------------------------------------------------------------
+# The `.wandb` file is a LevelDB-style log: a 7-byte file header (b":W&B", magic 0xBEE1, version 0), then 32 KiB
+# blocks of records, each with a 7-byte header (checksum: uint32, length: uint16, type: uint8, little-endian).
+# The checksum is zlib's CRC-32 of the type byte followed by the payload (checked against wandb 0.31 files: not the
+# masked CRC-32C of LevelDB proper). A record that does not fit in a block is split into FIRST/MIDDLE.../LAST
+# fragments; a block tail shorter than a header is zero padding.
+_FILE_HEADER = struct.Struct("<4sHB")
+_FILE_IDENT, _FILE_MAGIC, _FILE_VERSION = b":W&B", 0xBEE1, 0
+_RECORD_HEADER = struct.Struct("<IHB")
+_BLOCK_SIZE = 32 * 1024
+_ZERO, _FULL, _FIRST, _MIDDLE, _LAST = 0, 1, 2, 3, 4
+
+
+@dataclass
+class OfflineRun:
+    """A W&B run read back from its ``.wandb`` file.
+
+    Iterating over it, ``len`` and indexing go over :attr:`history`, so it can be used as the list of history rows.
+
+    Attributes:
+        path: the ``run-*.wandb`` file.
+        run_id: the run's id.
+        project: the run's project.
+        history: one dict per ``log`` call, key -> value (``_step``, ``_runtime`` and ``_timestamp`` included).
+        summary: the final run summary, nested as W&B stores it (a ``summary="max"`` key maps to ``{"max": v}``).
+        config: the final run config.
+        metrics: ``define_metric`` records by name (or glob): ``{"step_metric": ..., "summary": [...]}``.
+        exit_code: the exit code recorded at ``finish``, or ``None`` when the run did not finish.
+    """
+
+    path: Path
+    run_id: str = ""
+    project: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    exit_code: int | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.history)
+
+    def __len__(self) -> int:
+        return len(self.history)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.history[index]
+
+    def column(self, key: str) -> list[tuple[Any, Any]]:
+        """``(step, value)`` for every history row that holds ``key``, the step being :data:`STEP_METRIC`."""
+        return [(row.get(STEP_METRIC), row[key]) for row in self.history if key in row]
+
+
+def find_run_file(path: str | Path) -> Path:
+    """The ``run-*.wandb`` file of a run: ``path`` itself, the one in a run directory, or the latest run's in a
+    ``wandb/`` directory (or in a directory that holds ``wandb/``).
+
+    Raises:
+        FileNotFoundError: nothing that looks like a W&B run is there.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"No W&B run at {str(path)!r}: no such file or directory.")
+    files = sorted(path.glob("run-*.wandb"))
+    if files:
+        return files[-1]
+    for wandb_dir in (path, path / "wandb"):
+        # Run directories are named `offline-run-YYYYMMDD_HHMMSS-ID` (or `run-...` when online): the name sorts by time.
+        runs = sorted(d for d in wandb_dir.glob("*run-*") if d.is_dir() and any(d.glob("run-*.wandb")))
+        if runs:
+            return sorted(runs[-1].glob("run-*.wandb"))[-1]
+    raise FileNotFoundError(
+        f"No W&B run under {str(path)!r}: expected a `run-*.wandb` file, a run directory that holds one, or a"
+        " `wandb/` directory with `offline-run-*` directories."
+    )
+
+
+def iter_records(path: str | Path) -> Iterator[bytes]:
+    """The raw protobuf payloads of the records in a ``.wandb`` file, in order.
+
+    A truncated tail (a run still writing, or killed) ends the iteration quietly, like LevelDB's reader.
+
+    Raises:
+        ValueError: the file is not a W&B transaction log, or a record is corrupt (bad checksum or framing).
+    """
+    data = Path(path).read_bytes()
+    if len(data) < _FILE_HEADER.size:
+        raise ValueError(f"{str(path)!r} is not a W&B transaction log: {len(data)} bytes, shorter than its header.")
+    ident, magic, version = _FILE_HEADER.unpack_from(data, 0)
+    if ident != _FILE_IDENT or magic != _FILE_MAGIC or version != _FILE_VERSION:
+        raise ValueError(
+            f"{str(path)!r} is not a W&B transaction log (version {_FILE_VERSION}): its header is"
+            f" {data[: _FILE_HEADER.size]!r}. Pass a `run-*.wandb` file or the run directory that holds it."
+        )
+    offset = _FILE_HEADER.size
+    pending: list[bytes] | None = None
+    while offset < len(data):
+        block_left = _BLOCK_SIZE - offset % _BLOCK_SIZE
+        if block_left < _RECORD_HEADER.size:
+            offset += block_left  # zero padding at the end of a block
+            continue
+        if offset + _RECORD_HEADER.size > len(data):
+            return
+        checksum, length, kind = _RECORD_HEADER.unpack_from(data, offset)
+        start = offset + _RECORD_HEADER.size
+        end = start + length
+        if end > len(data):
+            return
+        if kind == _ZERO and length == 0:
+            offset += block_left  # preallocated space: the rest of the block is empty
+            continue
+        payload = data[start:end]
+        if zlib.crc32(bytes([kind]) + payload) != checksum:
+            raise ValueError(f"{str(path)!r}: corrupt record at byte {offset} (checksum mismatch).")
+        offset = end
+        if kind == _FULL:
+            yield payload
+        elif kind == _FIRST:
+            pending = [payload]
+        elif kind == _MIDDLE and pending is not None:
+            pending.append(payload)
+        elif kind == _LAST and pending is not None:
+            pending.append(payload)
+            yield b"".join(pending)
+            pending = None
+        else:
+            raise ValueError(f"{str(path)!r}: unexpected record type {kind} at byte {offset - length}.")
+
+
+def read_offline_run(path: str | Path) -> OfflineRun:
+    """Read a W&B run's history, summary and config from its ``.wandb`` file, without W&B's services.
+
+    Read it after ``wandb.finish()`` (or ``wandb.teardown()``): the file is only complete then.
+
+    Args:
+        path: a ``run-*.wandb`` file, an ``offline-run-*`` directory, or a ``wandb/`` directory (its latest run).
+
+    Raises:
+        FileNotFoundError: see :func:`find_run_file`.
+        ValueError: see :func:`iter_records`.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run_file = find_run_file(path)
+    run = OfflineRun(path=run_file)
+    for payload in iter_records(run_file):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            run.history.append({_item_key(item): _item_value(item) for item in record.history.item})
+        elif kind == "summary":
+            _apply_updates(run.summary, record.summary.update, record.summary.remove)
+        elif kind == "config":
+            _apply_updates(run.config, record.config.update, record.config.remove)
+        elif kind == "run":
+            run.run_id = record.run.run_id or run.run_id
+            run.project = record.run.project or run.project
+            _apply_updates(run.config, record.run.config.update, record.run.config.remove)
+        elif kind == "metric":
+            name = record.metric.name or record.metric.glob_name
+            summary = [f.name for f, on in record.metric.summary.ListFields() if on is True]
+            run.metrics[name] = {"step_metric": record.metric.step_metric, "summary": summary}
+        elif kind == "exit":
+            run.exit_code = record.exit.exit_code
+    return run
+
+
+def _item_key(item: Any) -> str:
+    return item.key or ".".join(item.nested_key)
+
+
+def _item_value(item: Any) -> Any:
+    # Newer writers may use the typed oneof instead of `value_json`.
+    typed = item.WhichOneof("value") if item.DESCRIPTOR.oneofs_by_name.get("value") else None
+    if typed == "none":
+        return None
+    if typed == "json":
+        return json.loads(item.json)
+    if typed is not None:
+        return getattr(item, typed)
+    return json.loads(item.value_json) if item.value_json else None
+
+
+def _apply_updates(target: dict[str, Any], updates: Any, removes: Any) -> None:
+    for item in updates:
+        path = [item.key] if item.key else list(item.nested_key)
+        node = target
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[path[-1]] = _item_value(item)
+    for item in removes:
+        path = [item.key] if item.key else list(item.nested_key)
+        node = target
+        for part in path[:-1]:
+            node = node.get(part, {})
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the workspace
+# ------------------------------------------------------------------------------------------------------------------
+def dashboard_spec(
+    entity: str,
+    project: str,
+    *,
+    name: str = "lightning_accum",
+    layout: Sequence[SectionSpec] = PANEL_LAYOUT,
+) -> Workspace:
+    """The ready-made W&B workspace for ``entity/project``: one section per :class:`SectionSpec` of ``layout``.
+
+    Building it touches no network; :func:`save_dashboard` uploads it.
+    """
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+
+    if not entity or not project:
+        raise ValueError(f"`entity` and `project` must be non-empty, got entity={entity!r}, project={project!r}.")
+    sections = [
+        ws.Section(
+            name=section.name,
+            is_open=True,
+            panel_settings=ws.SectionPanelSettings(x_axis=STEP_METRIC),
+            panels=[
+                wr.LinePlot(
+                    title=panel.title,
+                    x=STEP_METRIC,
+                    y=list(panel.keys),
+                    title_x="optimizer step",
+                    title_y=panel.y_label,
+                    range_y=panel.y_range,
+                )
+                for panel in section.panels
+            ],
+        )
+        for section in layout
+    ]
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=name,
+        settings=ws.WorkspaceSettings(x_axis=STEP_METRIC),
+        sections=sections,
+    )
+
+
+def spec_to_dict(workspace: Workspace) -> dict[str, Any]:
+    """The workspace as W&B's view JSON, built offline.
+
+    ``Workspace.save`` sends exactly this model (``_to_model()``), so the dump is what would be uploaded. The
+    method is private in wandb-workspaces 0.4; ``tests/integrations/test_wandb.py`` fails if it changes.
+    """
+    return workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def spec_to_json(workspace: Workspace, *, indent: int | None = 2) -> str:
+    """:func:`spec_to_dict` as a JSON string, without any network access."""
+    return json.dumps(spec_to_dict(workspace), indent=indent)
+
+
+def spec_metric_keys(spec: Mapping[str, Any]) -> set[str]:
+    """The metric keys the panels of a spec (from :func:`spec_to_dict`) draw on their y-axes."""
+    found: set[str] = set()
+    sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
+    for section in sections:
+        for panel in section.get("panels", []):
+            found.update(panel.get("config", {}).get("metrics", []))
+    return found
+
+
+def save_dashboard(entity: str, project: str, *, name: str = "lightning_accum") -> str:
+    """Build the workspace and upload it to W&B (needs network and a login). Returns the workspace URL."""
+    workspace = dashboard_spec(entity, project, name=name).save()
+    return str(workspace.url)

@@ -1,0 +1,221 @@
+"""A linear model of peak memory as a function of the micro-batch size: ``peak(b) ~= fixed + per_sample * b``.
+
+Pure: no device, no Trainer. The planner feeds it measured peaks and asks it which micro-batch fits a budget,
+so that it can *predict* the fitting size instead of probing for it with out-of-memory errors.
+
+Why linear: parameters, gradients and optimizer state do not depend on ``b`` (the intercept), while activations
+and most temporaries grow in proportion to the samples in flight (the slope). Attention without a fused kernel is
+quadratic in the *sequence length*, not in ``b``, so at a fixed sequence length it is still linear in ``b``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+_STATE_VERSION = 1
+
+
+def _check_size(value: Any, name: str) -> int:
+    # bool is an int subclass; `True` as a batch size is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} of type {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+    return value
+
+
+def _check_bytes(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a number of bytes, got {value!r} of type {type(value).__name__}.")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"`{name}` must be a finite number of bytes >= 0, got {value!r}.")
+    return value
+
+
+class LinearPeakModel:
+    """Least-squares fit of ``peak(b) = fixed_bytes + per_sample_bytes * b`` over observed peaks.
+
+    History is bounded: the model keeps only the most recent peak for each micro-batch size, and at most
+    ``max_sizes`` sizes (the least recently observed size is dropped first). Keeping the latest peak per size
+    lets the model follow drift (allocator fragmentation, a longer sequence) without letting the many
+    observations at the current size outweigh the few at other sizes.
+
+    The fit is clamped so that ``per_sample_bytes >= 0``: memory that *falls* with more samples is measurement
+    noise, and a negative slope would make :meth:`largest_fitting` answer "any size fits". When the unclamped
+    slope is negative, the model falls back to a flat line at the mean observed peak.
+
+    Args:
+        max_sizes: how many distinct micro-batch sizes to remember (>= 2).
+
+    Raises:
+        TypeError: if ``max_sizes`` is not an int.
+        ValueError: if ``max_sizes < 2``.
+
+    Example:
+        >>> model = LinearPeakModel()
+        >>> model.observe(2, 1_000 + 2 * 100)
+        >>> model.fitted()
+        False
+        >>> model.observe(8, 1_000 + 8 * 100)
+        >>> model.fitted(), model.fixed_bytes, model.per_sample_bytes
+        (True, 1000.0, 100.0)
+        >>> model.predict(4)
+        1400.0
+        >>> model.largest_fitting(budget_bytes=1_650, upper=64)
+        6
+        >>> model.largest_fitting(budget_bytes=500, upper=64) is None
+        True
+    """
+
+    def __init__(self, max_sizes: int = 16) -> None:
+        self.max_sizes = _check_size(max_sizes, "max_sizes")
+        if self.max_sizes < 2:
+            raise ValueError(f"`max_sizes` must be >= 2 to fit a line, got {max_sizes!r}.")
+        # micro-batch size -> most recent peak; dict order is recency order (oldest first).
+        self._peaks: dict[int, float] = {}
+        self._fit: tuple[float, float] | None = None
+
+    # ---- observations -------------------------------------------------------------------------------------------
+
+    def observe(self, micro_batch_size: int, peak_bytes: float) -> None:
+        """Record the peak measured for one micro-batch size, replacing any earlier peak for that size."""
+        b = _check_size(micro_batch_size, "micro_batch_size")
+        peak = _check_bytes(peak_bytes, "peak_bytes")
+        self._peaks.pop(b, None)  # re-insert so that the dict order stays recency order
+        self._peaks[b] = peak
+        while len(self._peaks) > self.max_sizes:
+            del self._peaks[next(iter(self._peaks))]
+        self._fit = self._solve()
+
+    @property
+    def observations(self) -> dict[int, float]:
+        """A copy of the remembered ``{micro_batch_size: peak_bytes}``, sorted by size."""
+        return dict(sorted(self._peaks.items()))
+
+    def fitted(self) -> bool:
+        """Whether at least two distinct micro-batch sizes have been observed, so a line is defined."""
+        return self._fit is not None
+
+    def _solve(self) -> tuple[float, float] | None:
+        if len(self._peaks) < 2:
+            return None
+        xs = list(self._peaks)
+        ys = list(self._peaks.values())
+        n = len(xs)
+        mean_x = sum(xs) / n
+        mean_y = sum(ys) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+        slope = sxy / sxx  # sxx > 0: the keys are distinct
+        if slope < 0:
+            # Least squares with slope fixed at 0 is the mean; see the class docstring for why we clamp.
+            return mean_y, 0.0
+        return mean_y - slope * mean_x, slope
+
+    # ---- the fit --------------------------------------------------------------------------------------------------
+
+    @property
+    def fixed_bytes(self) -> float | None:
+        """The intercept: memory that does not depend on the micro-batch size, or ``None`` before a fit."""
+        return None if self._fit is None else self._fit[0]
+
+    @property
+    def per_sample_bytes(self) -> float | None:
+        """The slope (>= 0): memory per sample of the micro-batch, or ``None`` before a fit."""
+        return None if self._fit is None else self._fit[1]
+
+    def _require_fit(self, what: str) -> tuple[float, float]:
+        if self._fit is None:
+            raise RuntimeError(
+                f"`LinearPeakModel.{what}` needs a fit, but only {len(self._peaks)} distinct micro-batch size(s) "
+                f"were observed ({sorted(self._peaks)}). Call `observe` with at least two different sizes first."
+            )
+        return self._fit
+
+    def predict(self, micro_batch_size: int) -> float:
+        """Predicted peak bytes for ``micro_batch_size``.
+
+        Raises:
+            RuntimeError: if the model is not fitted yet.
+        """
+        b = _check_size(micro_batch_size, "micro_batch_size")
+        fixed, per_sample = self._require_fit("predict")
+        return fixed + per_sample * b
+
+    def largest_fitting(self, budget_bytes: float, upper: int) -> int | None:
+        """The largest ``b`` in ``[1, upper]`` with ``predict(b) <= budget_bytes``, or ``None`` if even 1 doesn't fit.
+
+        Raises:
+            RuntimeError: if the model is not fitted yet.
+        """
+        budget = _check_bytes(budget_bytes, "budget_bytes")
+        upper = _check_size(upper, "upper")
+        fixed, per_sample = self._require_fit("largest_fitting")
+        if fixed + per_sample > budget:
+            return None
+        if per_sample == 0:
+            return upper
+        b = min(upper, math.floor((budget - fixed) / per_sample))
+        # Guard against float rounding at the boundary: the answer must satisfy predict(b) <= budget.
+        while b > 1 and fixed + per_sample * b > budget:
+            b -= 1
+        while b < upper and fixed + per_sample * (b + 1) <= budget:
+            b += 1
+        return max(b, 1)
+
+    def relative_error(self, observations: Iterable[tuple[int, float]] | Mapping[int, float]) -> float:
+        """Mean of ``|predict(b) - peak| / peak`` over ``(b, peak)`` pairs, e.g. peaks held out of the fit.
+
+        Raises:
+            RuntimeError: if the model is not fitted yet.
+            ValueError: if ``observations`` is empty or holds a peak of 0 bytes.
+
+        Example:
+            >>> model = LinearPeakModel()
+            >>> model.observe(1, 110.0); model.observe(3, 130.0)
+            >>> model.relative_error({2: 100.0, 4: 140.0})
+            0.1
+        """
+        pairs = list(observations.items() if isinstance(observations, Mapping) else observations)
+        if not pairs:
+            raise ValueError("`observations` must hold at least one (micro_batch_size, peak_bytes) pair, got none.")
+        errors = []
+        for b, peak in pairs:
+            peak = _check_bytes(peak, "peak_bytes")
+            if peak == 0:
+                raise ValueError(
+                    f"`observations` holds a peak of 0 bytes for micro-batch size {b}; a relative error is undefined "
+                    "there. Drop that pair."
+                )
+            errors.append(abs(self.predict(b) - peak) / peak)
+        return sum(errors) / len(errors)
+
+    # ---- checkpointing --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The remembered peaks, in recency order, as plain Python values."""
+        peaks = [[b, p] for b, p in self._peaks.items()]
+        return {"version": _STATE_VERSION, "max_sizes": self.max_sizes, "peaks": peaks}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; missing keys keep their defaults so older checkpoints still load.
+
+        Example:
+            >>> a = LinearPeakModel(); a.observe(1, 10.0); a.observe(2, 12.0)
+            >>> b = LinearPeakModel(); b.load_state_dict(a.state_dict())
+            >>> b.predict(3)
+            14.0
+        """
+        self.max_sizes = _check_size(state.get("max_sizes", self.max_sizes), "state['max_sizes']")
+        self._peaks = {}
+        self._fit = None
+        for b, peak in state.get("peaks", []):
+            self.observe(int(b), float(peak))
+
+    def __repr__(self) -> str:
+        if self._fit is None:
+            return f"LinearPeakModel(unfitted, sizes={sorted(self._peaks)})"
+        return f"LinearPeakModel(fixed_bytes={self._fit[0]:.4g}, per_sample_bytes={self._fit[1]:.4g})"

@@ -1,0 +1,251 @@
+"""``MemoryTracker``: the measured peak of live tensor storage, by category (parameters, gradients, ...).
+
+Built on :class:`~torch.utils._python_dispatch.TorchDispatchMode`: every ATen op that runs while the tracker is
+active reports its outputs, and every storage seen for the first time is counted until Python's weak reference to
+it says it was freed. The same code works on CPU and CUDA, and on CPU it is the only measurement precise enough to
+compare configurations: the resident set (``VmHWM``) moves in allocator-sized steps and includes the interpreter.
+
+Torch ships a similar tool, ``torch.distributed._tools.mem_tracker.MemTracker``. It is private, lives under
+``torch.distributed`` and attributes memory per module; here we need a per-category breakdown of one peak, so a
+small tracker we own is the steadier base.
+
+What is not seen: scratch memory an op allocates and frees inside its own kernel (cuBLAS workspaces, for example),
+and allocator caching or fragmentation. On CUDA, compare with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+Category = Literal["parameters", "gradients", "optimizer_state", "activations"]
+CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Live tensor bytes at one moment, by category.
+
+    Attributes:
+        total_bytes: all live tensor storage the tracker knows of.
+        by_category: bytes per category; the values sum to ``total_bytes``.
+        phase: the phase the tracker was in at that moment (see :meth:`MemoryTracker.phase`).
+    """
+
+    total_bytes: int
+    by_category: dict[str, int] = field(default_factory=dict)
+    phase: str = ""
+
+
+class _Entry:
+    __slots__ = ("category", "nbytes", "ref")
+
+    def __init__(self, ref: weakref.ref, nbytes: int, category: Category) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+        self.category = category
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Measures the peak of live tensor storage and what it was made of: a context manager.
+
+    Categories:
+
+    ============================  ==========================================================================
+    category                      what is counted
+    ============================  ==========================================================================
+    ``parameters``                parameters and buffers of the tracked module
+    ``gradients``                 ``param.grad`` storage, from the moment autograd accumulates into it
+    ``optimizer_state``           tensors in ``optimizer.state``, from the end of the step that created them
+    ``activations``               everything else: inputs, saved activations and temporaries
+    ============================  ==========================================================================
+
+    A storage created by an op is counted as ``activations`` until it takes another role: the gradient autograd
+    produces becomes ``param.grad`` without a copy, and is moved to ``gradients`` by a post-accumulate-grad hook.
+    Optimizer state that a step creates lazily is moved to ``optimizer_state`` by a step post-hook, so during the
+    very first step it still shows as ``activations``. Measure after one warm-up step (then :meth:`reset_peak`) for
+    a clean breakdown.
+
+    Args:
+        module: the model whose parameters, buffers and gradients to attribute.
+        optimizers: optimizers whose state to attribute.
+        device: count only storage on this device type (``"cpu"``, ``"cuda"``); ``None`` counts every device.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module`` or an optimizer is not a ``torch.optim.Optimizer``.
+
+    Example:
+        >>> model = nn.Linear(256, 256)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> weights = 4 * (256 * 256 + 256)  # float32 weight and bias
+        >>> with MemoryTracker(model, [opt]) as tracker:
+        ...     for _ in range(2):
+        ...         model(torch.randn(8, 256)).sum().backward()
+        ...         opt.step()
+        ...         opt.zero_grad(set_to_none=True)
+        >>> tracker.current.by_category["parameters"] == weights
+        True
+        >>> tracker.current.by_category["optimizer_state"] >= 2 * weights  # exp_avg and exp_avg_sq
+        True
+        >>> tracker.peak.by_category["gradients"] == weights
+        True
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"`module` must be a torch.nn.Module or None, got {type(module).__name__}.")
+        self.module = module
+        self.optimizers = list(optimizers)
+        for opt in self.optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"`optimizers` must hold torch.optim.Optimizer objects, got {type(opt).__name__}.")
+        self.device_type = None if device is None else torch.device(device).type
+        self._live: dict[int, _Entry] = {}
+        self._totals: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._phase = ""
+        self._peak = MemorySnapshot(0, dict.fromkeys(CATEGORIES, 0), "")
+        self._handles: list[Any] = []
+
+    # ---- accounting -----------------------------------------------------------------------------------------------
+
+    def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        if self.device_type is not None and tensor.device.type != self.device_type:
+            return None
+        try:
+            return tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested or wrapper tensors have no plain storage
+            return None
+
+    def _on_free(self, key: int) -> Any:
+        def callback(_: weakref.ref) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._totals[entry.category] -= entry.nbytes
+                self._total -= entry.nbytes
+
+        return callback
+
+    def track(self, tensors: Any, category: Category) -> None:
+        """Count the storage of every tensor in ``tensors`` (any pytree) as ``category``, moving it if already counted.
+
+        Raises:
+            ValueError: if ``category`` is not one of the four categories.
+        """
+        if category not in CATEGORIES:
+            raise ValueError(f"`category` must be one of {CATEGORIES}, got {category!r}.")
+        for tensor in tree_flatten(tensors)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor, category, move=True)
+        self._update_peak()
+
+    def _count(self, tensor: torch.Tensor, category: Category, move: bool) -> None:
+        storage = self._storage_of(tensor)
+        if storage is None:
+            return
+        key = storage._cdata  # the StorageImpl address: stable while the storage lives
+        nbytes = storage.nbytes()
+        entry = self._live.get(key)
+        if entry is None:
+            if nbytes == 0:
+                return
+            # Torch keeps a storage's Python object alive as long as the storage lives, so the weak reference dies
+            # exactly when the memory is released.
+            self._live[key] = _Entry(weakref.ref(storage, self._on_free(key)), nbytes, category)
+            self._totals[category] += nbytes
+            self._total += nbytes
+            return
+        if entry.nbytes != nbytes:  # resized in place (an out= op)
+            self._totals[entry.category] += nbytes - entry.nbytes
+            self._total += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+        if move and entry.category != category:
+            self._totals[entry.category] -= entry.nbytes
+            self._totals[category] += entry.nbytes
+            entry.category = category
+
+    def _update_peak(self) -> None:
+        if self._total > self._peak.total_bytes:
+            self._peak = MemorySnapshot(self._total, dict(self._totals), self._phase)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor, "activations", move=False)
+        self._update_peak()
+        return out
+
+    # ---- roles ----------------------------------------------------------------------------------------------------
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._count(param.grad, "gradients", move=True)
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        for state in optimizer.state.values():
+            self.track(state, "optimizer_state")
+
+    def _attach(self) -> None:
+        if self.module is not None:
+            self.track([*self.module.parameters(), *self.module.buffers()], "parameters")
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    self._count(param.grad, "gradients", move=True)
+                if param.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        for opt in self.optimizers:
+            self._on_step(opt)
+            self._handles.append(opt.register_step_post_hook(self._on_step))
+        self._update_peak()
+
+    def __enter__(self) -> MemoryTracker:
+        self._attach()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- results --------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label what runs inside as ``name`` (e.g. ``"forward"``), so the peak says when it happened."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    @property
+    def current(self) -> MemorySnapshot:
+        """Live tensor bytes now."""
+        return MemorySnapshot(self._total, dict(self._totals), self._phase)
+
+    @property
+    def peak(self) -> MemorySnapshot:
+        """The largest total seen since the tracker started or since :meth:`reset_peak`, with its breakdown."""
+        return self._peak
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current live bytes (e.g. after warm-up steps)."""
+        self._peak = self.current

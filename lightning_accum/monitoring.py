@@ -1,0 +1,196 @@
+"""The arithmetic behind :class:`~lightning_accum.AccumulationMonitor`: unit conversion, rates and the metric row.
+
+Pure: no Trainer, no logger. The callback gathers raw counts (samples, items, bytes, seconds) and this
+module turns them into the contract keys of :mod:`lightning_accum.keys`, so every figure can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_accum import keys
+from lightning_accum.state import AccumulationEvent, EventKind
+
+BYTES_PER_GIB = 1024**3
+
+# Proposed for lightning_accum.keys (see docs/wandb.md): the memory budget as a fraction of capacity, drawn as the
+# limit line in the "peak fraction" panel. Read from `keys` once it is added there, so the string lives in one place.
+BUDGET_FRACTION: str = getattr(keys, "BUDGET_FRACTION", "memory/budget_fraction")
+
+EVENT_KEY_BY_KIND: dict[EventKind, str] = {
+    "schedule_change": keys.EVENT_SCHEDULE_CHANGE,
+    "oom_recovered": keys.EVENT_OOM_RECOVERED,
+    "shrink": keys.EVENT_SHRINK,
+    "grow": keys.EVENT_GROW,
+}
+"""Which metric key records an :class:`~lightning_accum.state.AccumulationEvent` of each kind."""
+
+
+def to_gib(n_bytes: float) -> float:
+    """Bytes to GiB (2**30 bytes).
+
+    Example:
+        >>> to_gib(3 * 1024**3)
+        3.0
+    """
+    return float(n_bytes) / BYTES_PER_GIB
+
+
+def peak_fraction(peak_bytes: float, capacity_bytes: float) -> float:
+    """The peak as a fraction of the device's capacity; ``nan`` when the capacity is unknown (0).
+
+    Example:
+        >>> peak_fraction(2 * 1024**3, 8 * 1024**3)
+        0.25
+    """
+    if capacity_bytes <= 0:
+        return math.nan
+    return float(peak_bytes) / float(capacity_bytes)
+
+
+def rate(count: float, seconds: float) -> float:
+    """``count`` per second over an interval of ``seconds``; ``nan`` for an empty interval (nothing to divide by).
+
+    Example:
+        >>> rate(96, 0.5)
+        192.0
+    """
+    if seconds <= 0:
+        return math.nan
+    return float(count) / seconds
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """Everything logged at one logging step, already global (summed or maxed over ranks).
+
+    Attributes:
+        samples_per_step: samples in the last optimizer step, all ranks (the effective batch size).
+        micro_batch_size: samples per micro-batch on one rank.
+        accumulation_steps: micro-batches per optimizer step on one rank.
+        items_per_step: items (samples or tokens) in the last optimizer step, all ranks.
+        oom_retries: OOMs recovered from since the start of training.
+        window_loss: item-weighted mean loss over the logged windows, all ranks; ``None`` when unknown.
+        peak_bytes: the largest peak of any rank within the logging interval.
+        capacity_bytes: device capacity (of the rank that had the largest capacity).
+        peak_reserved_bytes: the largest reserved peak of any rank (CUDA), or ``None``.
+        budget_fraction: the memory budget as a fraction of capacity (1.0 when no budget was set).
+        interval_samples: samples consumed in the logging interval, all ranks.
+        interval_items: items consumed in the logging interval, all ranks.
+        interval_seconds: wall time of the logging interval, validation excluded.
+    """
+
+    samples_per_step: int
+    micro_batch_size: int
+    accumulation_steps: int
+    items_per_step: float
+    oom_retries: int
+    window_loss: float | None
+    peak_bytes: int
+    capacity_bytes: int
+    peak_reserved_bytes: int | None
+    budget_fraction: float
+    interval_samples: float
+    interval_items: float
+    interval_seconds: float
+
+    def as_metrics(self) -> dict[str, float]:
+        """The contract keys and their values.
+
+        Example:
+            >>> figures = StepFigures(
+            ...     samples_per_step=32, micro_batch_size=4, accumulation_steps=4, items_per_step=32.0, oom_retries=0,
+            ...     window_loss=0.5, peak_bytes=2 * 1024**3, capacity_bytes=8 * 1024**3, peak_reserved_bytes=None,
+            ...     budget_fraction=1.0, interval_samples=64, interval_items=64, interval_seconds=2.0,
+            ... )
+            >>> metrics = figures.as_metrics()
+            >>> metrics["accum/effective_batch_size"], metrics["memory/peak_fraction"], metrics["perf/samples_per_sec"]
+            (32.0, 0.25, 32.0)
+            >>> "memory/peak_reserved_gib" in metrics  # CPU: no reserved pool
+            False
+        """
+        metrics: dict[str, float] = {
+            keys.EFFECTIVE_BATCH_SIZE: float(self.samples_per_step),
+            keys.MICRO_BATCH_SIZE: float(self.micro_batch_size),
+            keys.ACCUMULATION_STEPS: float(self.accumulation_steps),
+            keys.ITEMS_PER_STEP: float(self.items_per_step),
+            keys.OOM_RETRIES: float(self.oom_retries),
+            keys.PEAK_GIB: to_gib(self.peak_bytes),
+            keys.CAPACITY_GIB: to_gib(self.capacity_bytes),
+            keys.PEAK_FRACTION: peak_fraction(self.peak_bytes, self.capacity_bytes),
+            BUDGET_FRACTION: float(self.budget_fraction),
+            keys.SAMPLES_PER_SEC: rate(self.interval_samples, self.interval_seconds),
+            keys.ITEMS_PER_SEC: rate(self.interval_items, self.interval_seconds),
+        }
+        if self.window_loss is not None:
+            metrics[keys.WINDOW_LOSS] = float(self.window_loss)
+        if self.peak_reserved_bytes is not None:
+            metrics[keys.PEAK_RESERVED_GIB] = to_gib(self.peak_reserved_bytes)
+        return metrics
+
+
+def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
+    """One metric per kind of event: the size after the change (the last one wins when a kind happened twice).
+
+    Example:
+        >>> event_metrics([AccumulationEvent("shrink", step=3, before=16, after=8)])
+        {'events/micro_batch_shrunk': 8.0}
+    """
+    return {EVENT_KEY_BY_KIND[event.kind]: float(event.after) for event in events}
+
+
+def budget_fraction(max_memory: float | int | None, capacity_bytes: int) -> float:
+    """The budget as a fraction of capacity from ``AutoMicroBatching(max_memory=...)``'s convention.
+
+    ``None`` means no budget (the capacity itself is the limit: 1.0); a float up to 1 is already a fraction; an int
+    is a number of bytes.
+
+    Example:
+        >>> budget_fraction(None, 8 * 1024**3), budget_fraction(0.8, 8 * 1024**3), budget_fraction(2 * 1024**3, 8 * 1024**3)
+        (1.0, 0.8, 0.25)
+    """
+    if max_memory is None:
+        return 1.0
+    if isinstance(max_memory, float):
+        return max_memory
+    return peak_fraction(max_memory, capacity_bytes)
+
+
+class WeightedMean(Metric):
+    """The weighted mean of the values seen since the last reset, summed across processes by torchmetrics.
+
+    ``update`` never reads a value back to the host (no NaN check), so it costs no device synchronization. It
+    exists because ``torchmetrics.aggregation.MeanMetric(nan_strategy="disable")`` drops the weights (torchmetrics
+    1.9 replaces them by ones when the NaN check is disabled), and the check itself would synchronize.
+
+    Example:
+        >>> mean = WeightedMean()
+        >>> mean.update(torch.tensor(1.0), torch.tensor(4.0))
+        >>> mean.update(torch.tensor(4.0), torch.tensor(2.0))
+        >>> mean.compute()
+        tensor(2.)
+    """
+
+    full_state_update = False
+    total: Tensor
+    weight: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor, weight: Tensor) -> None:
+        """Add ``value`` with ``weight`` (both scalars, on the metric's device)."""
+        self.total += value * weight
+        self.weight += weight
+
+    def compute(self) -> Tensor:
+        """The weighted mean; ``nan`` when nothing with a positive weight was seen."""
+        return self.total / self.weight

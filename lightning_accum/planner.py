@@ -1,0 +1,503 @@
+"""Choosing the micro-batch size in split mode: shrink before memory runs out, recover from OOMs, grow back.
+
+Pure: no Trainer, no device. The split-mode callback measures, agrees the measurements across ranks (so that every
+rank feeds the same numbers), and asks :class:`MicroBatchPlanner` for the next size; every answer is a deterministic
+function of those inputs, so all ranks reach the same decision without another collective.
+
+The dataloader yields a per-device step batch of ``B`` samples; the planner picks ``b <= B`` and the step runs
+``k = ceil(B / b)`` micro-batches. The effective batch never changes because of memory: only ``b`` and ``k`` do.
+
+How sizes are chosen:
+
+* **Balanced chunks.** For a largest-fitting size ``b_fit`` the planner keeps ``k = ceil(B / b_fit)`` and then
+  evens out the chunks: ``b = ceil(B / k) <= b_fit``. This never adds a pass and lowers the peak: ``B = 100`` with
+  ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not required; a prime
+  ``B`` would otherwise force ``b = 1``.
+* **Predict, don't probe.** Each step's peak is fed to a :class:`~lightning_accum.memory.model.LinearPeakModel`.
+  Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
+  measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
+  less than proportionally. When a measurement is far off the model (a new phase of training: longer sequences),
+  or an OOM hits a size the model said fits, the model is discarded and rebuilt from fresh measurements.
+* **Plain halving** (``predictive=False``) halves on every OOM or over-budget step and doubles to grow back, like
+  Composer, which never grows back at all.
+* **Hysteresis.** The planner shrinks as soon as the peak exceeds the budget (or the allocator had to retry on two
+  consecutive steps), but grows only after ``grow_patience`` consecutive steps under ``low_watermark * budget``,
+  and never to a size that failed (OOM, over budget, allocator retries) within the last ``oom_cooldown`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from lightning_accum.memory.model import LinearPeakModel
+
+PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
+_STATE_VERSION = 1
+
+
+class PlannerEvent(NamedTuple):
+    """A change of the micro-batch size; the callback turns it into an ``AccumulationEvent``."""
+
+    step: int
+    kind: PlannerEventKind
+    before: int
+    after: int
+    reason: str
+
+
+class MicroBatchOOMError(RuntimeError):
+    """An out-of-memory error at the smallest micro-batch size allowed: shrinking further cannot fix it.
+
+    Attributes:
+        micro_batch_size: the size that ran out of memory.
+        step: the optimizer step.
+        budget_bytes: the planner's memory budget (``None`` when it has none).
+        last_peak_bytes: the last peak measured on a completed step, if any.
+        fixed_bytes: the memory model's estimate of memory that doesn't depend on ``b`` (``None`` before a fit).
+        per_sample_bytes: the memory model's estimate of memory per sample (``None`` before a fit).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        micro_batch_size: int,
+        step: int,
+        budget_bytes: float | None,
+        last_peak_bytes: float | None,
+        fixed_bytes: float | None,
+        per_sample_bytes: float | None,
+    ) -> None:
+        super().__init__(message)
+        self.micro_batch_size = micro_batch_size
+        self.step = step
+        self.budget_bytes = budget_bytes
+        self.last_peak_bytes = last_peak_bytes
+        self.fixed_bytes = fixed_bytes
+        self.per_sample_bytes = per_sample_bytes
+
+
+class MicroBatchPlanner:
+    """Decides the micro-batch size ``b`` for split mode from measured peaks and OOMs (see the module docstring).
+
+    Args:
+        micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's answer when it is
+            already fitted, e.g. after a probe); an int starts there.
+        min_micro_batch_size: never go below this; an OOM at this size raises :class:`MicroBatchOOMError`.
+        budget_bytes: the peak memory to stay under. ``None`` disables the budget-driven decisions (shrinking on
+            an over-budget peak, growing back, predicting), leaving OOM recovery and allocator-retry shrinking.
+        low_watermark: the fraction of the budget the peak must stay below for the planner to grow.
+        grow_patience: consecutive steps under the low watermark before growing.
+        oom_cooldown: steps before a size that failed (or any larger one) may be tried again.
+        predictive: use the linear memory model; ``False`` halves and doubles.
+        pinned: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no growing past it.
+            An OOM still shrinks it (the alternative is a crash), and it grows back to it after the cool-down.
+        refit_tolerance: a measured peak further than this fraction from the model's prediction starts a new model.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range, or ``pinned=True`` with ``micro_batch_size="auto"``.
+
+    Example:
+        A 64-sample step batch on a device whose peak is ``1 GiB + 0.1 GiB * b``, with a 3 GiB budget:
+
+        >>> GiB = 2**30
+        >>> planner = MicroBatchPlanner("auto", budget_bytes=3 * GiB, grow_patience=1)
+        >>> planner.size_for(64)  # starts from the whole batch
+        64
+        >>> planner.on_oom(64, step=0)  # nothing measured yet: halve
+        32
+        >>> planner.on_oom(32, step=0)
+        16
+        >>> planner.on_step(16, peak_bytes=1 * GiB + 16 * GiB // 10, step=0)  # 2.6 GiB: fits, not under 70%
+        16
+        >>> planner.on_step(16, peak_bytes=1 * GiB + 16 * GiB // 10, step=1)
+        16
+        >>> [(e.kind, e.before, e.after) for e in planner.take_events()]
+        [('oom_recovered', 64, 32), ('oom_recovered', 32, 16)]
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        *,
+        min_micro_batch_size: int = 1,
+        budget_bytes: float | None = None,
+        low_watermark: float = 0.7,
+        grow_patience: int = 20,
+        oom_cooldown: int = 200,
+        predictive: bool = True,
+        pinned: bool = False,
+        refit_tolerance: float = 0.25,
+    ) -> None:
+        if micro_batch_size != "auto":
+            _check_int(micro_batch_size, "micro_batch_size", 1, hint=' or "auto"')
+        self.micro_batch_size_setting: int | Literal["auto"] = micro_batch_size
+        self.min_micro_batch_size = _check_int(min_micro_batch_size, "min_micro_batch_size", 1)
+        if isinstance(micro_batch_size, int) and micro_batch_size < min_micro_batch_size:
+            raise ValueError(
+                f"`micro_batch_size={micro_batch_size}` is below `min_micro_batch_size={min_micro_batch_size}`."
+                " Lower `min_micro_batch_size` or raise `micro_batch_size`."
+            )
+        if budget_bytes is not None:
+            budget_bytes = _check_positive(budget_bytes, "budget_bytes")
+        self.budget_bytes: float | None = budget_bytes
+        low_watermark = _check_positive(low_watermark, "low_watermark")
+        if low_watermark >= 1:
+            raise ValueError(
+                f"`low_watermark` must be a fraction of the budget in (0, 1), got {low_watermark!r}; e.g. 0.7 grows"
+                " the micro-batch after the peak stayed under 70% of the budget."
+            )
+        self.low_watermark = low_watermark
+        self.grow_patience = _check_int(grow_patience, "grow_patience", 1)
+        self.oom_cooldown = _check_int(oom_cooldown, "oom_cooldown", 0)
+        if not isinstance(predictive, bool):
+            raise TypeError(f"`predictive` must be a bool, got {predictive!r}.")
+        if not isinstance(pinned, bool):
+            raise TypeError(f"`pinned` must be a bool, got {pinned!r}.")
+        if pinned and micro_batch_size == "auto":
+            raise ValueError('`pinned=True` needs an int `micro_batch_size` to pin, got "auto".')
+        self.predictive = predictive
+        self.pinned = pinned
+        self.refit_tolerance = _check_positive(refit_tolerance, "refit_tolerance")
+
+        self.model = LinearPeakModel()
+        self.events: list[PlannerEvent] = []
+        self._limit: int | None = None  # the largest size believed to fit; the size used is balanced below it
+        self._step_batch_size: int | None = None
+        self._under = 0  # consecutive steps under the low watermark
+        self._retry_streak = 0  # consecutive steps on which the allocator retried
+        self._failed: dict[int, int] = {}  # size that failed -> first step at which it (or more) may be tried again
+        self._last_peak: float | None = None
+        self._last_size: int | None = None
+
+    # ---- queries ------------------------------------------------------------------------------------------------
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The size for the last step batch size seen, or ``None`` before :meth:`size_for` was called."""
+        if self._limit is None:
+            return None
+        return self._balanced(self._limit, self._step_batch_size)
+
+    def size_for(self, step_batch_size: int) -> int:
+        """The micro-batch size for a step batch of ``step_batch_size`` samples.
+
+        Raises:
+            TypeError: if ``step_batch_size`` is not an int.
+            ValueError: if ``step_batch_size < 1``.
+        """
+        self._step_batch_size = _check_int(step_batch_size, "step_batch_size", 1)
+        if self._limit is None:
+            self._limit = self._initial_limit(step_batch_size)
+        return self._balanced(self._limit, step_batch_size)
+
+    def cooling_down_from(self, step: int) -> int | None:
+        """The smallest size that failed recently: it and every larger size are off limits at ``step``."""
+        for size in [s for s, until in self._failed.items() if until <= step]:
+            del self._failed[size]  # expired; dropping it keeps the checkpoint small
+        return min(self._failed) if self._failed else None
+
+    def take_events(self) -> list[PlannerEvent]:
+        """Return the decisions recorded since the last call and forget them."""
+        events, self.events = self.events, []
+        return events
+
+    # ---- decisions ----------------------------------------------------------------------------------------------
+
+    def on_oom(self, size: int, step: int) -> int:
+        """A micro-batch of ``size`` ran out of memory at ``step``: return the smaller size to retry the step with.
+
+        Raises:
+            MicroBatchOOMError: if ``size`` is already at ``min_micro_batch_size``.
+        """
+        size = _check_int(size, "size", 1)
+        step = _check_int(step, "step", 0)
+        if size <= self.min_micro_batch_size:
+            raise self._fatal(size, step)
+        target = size // 2
+        reason = f"OOM at {size}: halved"
+        budget = self.budget_bytes
+        if self.predictive and budget is not None and self.model.fitted():
+            predicted = self.model.predict(size)
+            if predicted <= budget:
+                # The model said `size` fits, so it no longer describes this run (longer sequences, fragmentation).
+                self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
+                reason = f"OOM at {size}, predicted {_gib(predicted)} <= budget {_gib(budget)}: model reset, halved"
+            else:
+                fit = self.model.largest_fitting(budget, size - 1)
+                target = self.min_micro_batch_size if fit is None else fit
+                reason = f"OOM at {size}: largest predicted to fit the budget {_gib(budget)}"
+        return self._change("oom_recovered", size, target, step, reason)
+
+    def on_step(self, size: int, peak_bytes: float, step: int, alloc_retries_delta: int = 0) -> int:
+        """A step ran micro-batches of ``size`` with a peak of ``peak_bytes``: return the size for the next step.
+
+        Args:
+            size: the micro-batch size the step ran with (its largest micro-batch).
+            peak_bytes: the step's peak memory, the maximum over ranks.
+            step: the optimizer step.
+            alloc_retries_delta: allocator retries during the step (CUDA ``num_alloc_retries``), summed over ranks.
+        """
+        size = _check_int(size, "size", 1)
+        step = _check_int(step, "step", 0)
+        peak = _check_positive(peak_bytes, "peak_bytes", allow_zero=True)
+        retries = _check_int(alloc_retries_delta, "alloc_retries_delta", 0)
+        if self._limit is None:
+            self._limit = size
+        self._observe(size, peak)
+        self._last_peak, self._last_size = peak, size
+        self._retry_streak = self._retry_streak + 1 if retries > 0 else 0
+        budget = self.budget_bytes
+        can_shrink = not self.pinned and size > self.min_micro_batch_size
+
+        if budget is not None and peak > budget and can_shrink:
+            target = self._shrink_target(size, peak, budget)
+            return self._change("shrink", size, target, step, f"peak {_gib(peak)} > budget {_gib(budget)}")
+        if self._retry_streak >= 2 and can_shrink:
+            if self.predictive and budget is not None and self.model.fitted():
+                # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
+                fit = self.model.largest_fitting(self.low_watermark * budget, size - 1)
+                target = self.min_micro_batch_size if fit is None else fit
+            else:
+                target = size // 2
+            return self._change("shrink", size, target, step, "allocator retried on 2 consecutive steps")
+
+        if budget is None or peak >= self.low_watermark * budget:
+            self._under = 0
+            return self._current(size)
+        self._under += 1
+        if self._under < self.grow_patience:
+            return self._current(size)
+        self._under = 0
+        target = self._grow_target(size, peak, budget, step)
+        if target is None or target <= self._limit:
+            return self._current(size)
+        reason = f"peak {_gib(peak)} < {self.low_watermark:g} x budget {_gib(budget)} for {self.grow_patience} steps"
+        return self._change("grow", size, target, step, reason)
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _initial_limit(self, step_batch_size: int) -> int:
+        if isinstance(self.micro_batch_size_setting, int):
+            return self.micro_batch_size_setting
+        if self.predictive and self.budget_bytes is not None and self.model.fitted():
+            fit = self.model.largest_fitting(self.budget_bytes, step_batch_size)
+            return max(self.min_micro_batch_size, fit or 1)
+        return step_batch_size
+
+    def _balanced(self, limit: int, step_batch_size: int | None) -> int:
+        if step_batch_size is None:
+            return limit
+        cap = max(1, min(limit, step_batch_size))
+        k = math.ceil(step_batch_size / cap)
+        balanced = math.ceil(step_batch_size / k)  # <= cap because cap >= step_batch_size / k
+        return balanced if balanced >= min(self.min_micro_batch_size, cap) else cap
+
+    def _current(self, size: int) -> int:
+        return size if self._step_batch_size is None else self._balanced(self._limit or size, self._step_batch_size)
+
+    def _observe(self, size: int, peak: float) -> None:
+        if self.model.fitted():
+            predicted = self.model.predict(size)
+            if abs(predicted - peak) > self.refit_tolerance * max(peak, 1.0):
+                # Measurements from an earlier phase of training would bend the new fit; start over.
+                pass
+        self.model.observe(size, peak)
+
+    def _shrink_target(self, size: int, peak: float, budget: float) -> int:
+        if not self.predictive:
+            return size // 2
+        if self.model.fitted():
+            fit = self.model.largest_fitting(budget, size - 1)
+            return self.min_micro_batch_size if fit is None else fit
+        # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
+        # than halving would.
+        return min(size // 2, math.floor(size * budget / peak))
+
+    def _grow_target(self, size: int, peak: float, budget: float, step: int) -> int | None:
+        cap = self._step_batch_size or size
+        if self.pinned and isinstance(self.micro_batch_size_setting, int):
+            cap = min(cap, self.micro_batch_size_setting)
+        ceiling = self.cooling_down_from(step)
+        allowed = cap if ceiling is None else min(cap, ceiling - 1)
+        if allowed <= size:
+            return None
+        if not self.predictive:
+            doubled = min(2 * size, cap)
+            # Probing one below a failed size would creep up on it one OOM at a time; wait for the cool-down.
+            return None if doubled > allowed else doubled
+        if self.model.fitted():
+            return self.model.largest_fitting(budget, allowed)
+        if peak <= 0:
+            return min(2 * size, allowed)
+        return min(allowed, math.floor(size * budget / peak))
+
+    def _change(self, kind: PlannerEventKind, size: int, target: int, step: int, reason: str) -> int:
+        before = self._current(size) if kind == "grow" else size
+        if kind == "grow":
+            self._limit = target
+        else:
+            target = max(self.min_micro_batch_size, min(target, size - 1))
+            if self.oom_cooldown > 0:
+                self._failed[size] = max(self._failed.get(size, 0), step + self.oom_cooldown)
+            self._limit = target
+            self._under = 0
+            self._retry_streak = 0
+        after = self._current(target)
+        if after != before or kind != "grow":
+            self.events.append(PlannerEvent(step, kind, size, after, reason))
+        return after
+
+    def _fatal(self, size: int, step: int) -> MicroBatchOOMError:
+        figures = [f"budget {_gib(self.budget_bytes)}" if self.budget_bytes is not None else "no budget set"]
+        if self._last_peak is not None:
+            figures.append(f"last measured peak {_gib(self._last_peak)} at size {self._last_size}")
+        if self.model.fitted():
+            figures.append(
+                f"memory model: {_gib(self.model.fixed_bytes or 0.0)} fixed"
+                f" + {(self.model.per_sample_bytes or 0.0) / 2**20:.1f} MiB per sample"
+            )
+        return MicroBatchOOMError(
+            f"Out of memory at micro-batch size {size} at step {step}, and `min_micro_batch_size` is"
+            f" {self.min_micro_batch_size}, so the planner cannot shrink further ({'; '.join(figures)}). Lower the"
+            " memory per sample (mixed precision, activation checkpointing), the fixed memory (a sharded strategy, a"
+            " smaller optimizer state), or `min_micro_batch_size`.",
+            micro_batch_size=size,
+            step=step,
+            budget_bytes=self.budget_bytes,
+            last_peak_bytes=self._last_peak,
+            fixed_bytes=self.model.fixed_bytes,
+            per_sample_bytes=self.model.per_sample_bytes,
+        )
+
+    # ---- checkpointing ------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "limit": self._limit,
+            "step_batch_size": self._step_batch_size,
+            "under": self._under,
+            "retry_streak": self._retry_streak,
+            "failed": [[size, until] for size, until in sorted(self._failed.items())],
+            "last_peak": self._last_peak,
+            "last_size": self._last_size,
+            "model": self.model.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; missing keys keep their defaults so older checkpoints still load."""
+        limit = state.get("limit")
+        self._limit = None if limit is None else int(limit)
+        step_batch_size = state.get("step_batch_size")
+        self._step_batch_size = None if step_batch_size is None else int(step_batch_size)
+        self._under = int(state.get("under", 0))
+        self._retry_streak = int(state.get("retry_streak", 0))
+        self._failed = {int(size): int(until) for size, until in state.get("failed", [])}
+        last_peak = state.get("last_peak")
+        self._last_peak = None if last_peak is None else float(last_peak)
+        last_size = state.get("last_size")
+        self._last_size = None if last_size is None else int(last_size)
+        self.model = LinearPeakModel()
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+
+    def __repr__(self) -> str:
+        return (
+            f"MicroBatchPlanner(micro_batch_size={self.micro_batch_size_setting!r}, size={self.micro_batch_size},"
+            f" predictive={self.predictive}, budget_bytes={self.budget_bytes})"
+        )
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` saw: the size each step ran with, the steps that hit an OOM, the planner's events."""
+
+    sizes: list[int] = field(default_factory=list)
+    oom_steps: list[int] = field(default_factory=list)
+    events: list[PlannerEvent] = field(default_factory=list)
+
+    @property
+    def ooms(self) -> int:
+        return len(self.oom_steps)
+
+    @property
+    def final_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def settled_at(self) -> int:
+        """The first step from which the size never changed again."""
+        step = len(self.sizes) - 1
+        while step > 0 and self.sizes[step - 1] == self.sizes[-1]:
+            step -= 1
+        return step
+
+    @property
+    def ooms_to_settle(self) -> int:
+        """OOMs up to and including :attr:`settled_at`."""
+        return sum(1 for s in self.oom_steps if s <= self.settled_at)
+
+
+def simulate(
+    planner: MicroBatchPlanner,
+    *,
+    step_batch_size: int,
+    steps: int,
+    peak_bytes: Callable[[int, int], float],
+    capacity_bytes: float,
+    first_step: int = 0,
+) -> SimulationResult:
+    """Run ``planner`` against a synthetic device: ``peak_bytes(step, b)`` above ``capacity_bytes`` is an OOM.
+
+    Each step asks for a size, retries it with the planner's answer while it would run out of memory (as split mode
+    does), then reports the peak. Steps are numbered from ``first_step``, e.g. to continue after a resume.
+
+    Example:
+        Peak ``2 + 0.25 b`` GiB on a 16 GiB device with a 14.4 GiB budget and a 256-sample step batch:
+
+        >>> GiB = 2**30
+        >>> def run(predictive):
+        ...     planner = MicroBatchPlanner(budget_bytes=14.4 * GiB, predictive=predictive)
+        ...     return simulate(planner, step_batch_size=256, steps=400, capacity_bytes=16 * GiB,
+        ...                     peak_bytes=lambda step, b: (2 + 0.25 * b) * GiB)
+        >>> predictive, halving = run(True), run(False)
+        >>> predictive.ooms, predictive.final_size, halving.ooms, halving.final_size
+        (3, 43, 4, 32)
+    """
+    result = SimulationResult()
+    for step in range(first_step, first_step + steps):
+        size = planner.size_for(step_batch_size)
+        while peak_bytes(step, size) > capacity_bytes:
+            result.oom_steps.append(step)
+            size = planner.on_oom(size, step)
+        planner.on_step(size, peak_bytes(step, size), step)
+        result.sizes.append(size)
+    result.events.extend(planner.take_events())
+    return result
+
+
+def _check_int(value: Any, name: str, minimum: int, hint: str = "") -> int:
+    # bool is an int subclass; `True` as a size is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= {minimum}{hint}, got {value!r} of type {type(value).__name__}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}{hint}, got {value!r}.")
+    return value
+
+
+def _check_positive(value: Any, name: str, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a number, got {value!r} of type {type(value).__name__}.")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"`{name}` must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
+    return value
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

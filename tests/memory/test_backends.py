@@ -1,0 +1,236 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_accum.memory import (
+    CPUBackend,
+    CUDABackend,
+    MemoryBackend,
+    MPSBackend,
+    XPUBackend,
+    backend_for,
+)
+
+MiB = 2**20
+GiB = 2**30
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _touch(nbytes: int) -> torch.Tensor:
+    # torch.ones writes every page, so the whole allocation becomes resident.
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+# ---- CPU ------------------------------------------------------------------------------------------------------------
+
+
+def test_cpu_peak_grows_with_a_touched_tensor_and_drops_after_reset():
+    backend = CPUBackend()
+    backend.reset_peak()
+    assert backend.exact_peak, "writing 5 to /proc/self/clear_refs is expected to work on Linux"
+    before = backend.peak_bytes()
+
+    big = _touch(512 * MiB)
+    grown = backend.peak_bytes()
+    assert grown >= before + 450 * MiB
+    del big
+    # Still the peak: freeing doesn't lower a high-water mark.
+    assert backend.peak_bytes() >= before + 450 * MiB
+
+    backend.reset_peak()
+    assert backend.peak_bytes() < before + 100 * MiB
+    assert backend.current_bytes() < before + 100 * MiB
+
+
+def test_cpu_peak_falls_back_to_sampled_rss_when_clear_refs_is_refused(tmp_path: Path):
+    status = tmp_path / "status"
+    (tmp_path / "clear_refs").mkdir()  # opening a directory for writing fails like a refused write
+
+    def write_status(rss_kib: int, hwm_kib: int = 10_000) -> None:
+        status.write_text(f"Name:\tpython\nVmHWM:\t{hwm_kib} kB\nVmRSS:\t{rss_kib} kB\n")
+
+    write_status(1000)
+    backend = CPUBackend(proc_dir=str(tmp_path))
+    backend.reset_peak()
+    assert not backend.exact_peak
+    # VmHWM (10000 kB) is the peak since process start, not since the reset, so it must not be used.
+    assert backend.peak_bytes() == 1000 * 1024
+    write_status(3000)
+    assert backend.peak_bytes() == 3000 * 1024
+    write_status(2000)
+    assert backend.peak_bytes() == 3000 * 1024
+    backend.reset_peak()
+    assert backend.peak_bytes() == 2000 * 1024
+
+
+def test_cpu_peak_uses_vmhwm_when_clear_refs_works(tmp_path: Path):
+    (tmp_path / "status").write_text("VmHWM:\t8000 kB\nVmRSS:\t1000 kB\n")
+    backend = CPUBackend(proc_dir=str(tmp_path))
+    backend.reset_peak()  # writes tmp_path/clear_refs, which succeeds
+    assert backend.exact_peak
+    assert (tmp_path / "clear_refs").read_text() == "5"
+    assert backend.peak_bytes() == 8000 * 1024
+    assert backend.current_bytes() == 1000 * 1024
+
+
+def test_cpu_capacity_is_positive_and_at_most_physical_memory():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    capacity = CPUBackend().capacity_bytes()
+    assert 0 < capacity <= physical
+
+
+def test_cpu_capacity_respects_rlimit_as_in_a_subprocess():
+    limit = 7 * GiB + 3 * MiB  # an odd number, so it can't come from anywhere else
+    script = textwrap.dedent(
+        f"""
+        import resource
+        from lightning_accum.memory import CPUBackend
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, ({limit}, hard))
+        print(CPUBackend().capacity_bytes())
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert int(out.stdout.strip()) == min(limit, physical)
+
+
+def _fake_cgroups(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> CPUBackend:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "status").write_text("VmHWM:\t1 kB\nVmRSS:\t1 kB\n")
+    (proc / "cgroup").write_text(proc_cgroup)
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return CPUBackend(proc_dir=str(proc), cgroup_root=str(root))
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "files", "expected"),
+    [
+        pytest.param("0::/job\n", {"memory.max": "max\n", "job/memory.max": f"{GiB}\n"}, GiB, id="v2-own-cgroup"),
+        pytest.param("0::/job/step\n", {"job/memory.max": f"{2 * GiB}\n"}, 2 * GiB, id="v2-parent-limit"),
+        # Containers mount their own cgroup as the root, so /proc/self/cgroup names a path that isn't there.
+        pytest.param("0::/elsewhere\n", {"memory.max": f"{3 * GiB}\n"}, 3 * GiB, id="v2-namespace-root"),
+        pytest.param(
+            "4:memory:/a\n",
+            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/a/memory.limit_in_bytes": f"{GiB}\n"},
+            GiB,
+            id="v1-huge-root-ignored",
+        ),
+        pytest.param(
+            "4:cpu,memory:/a\n0::/\n",
+            {"memory/a/memory.limit_in_bytes": f"{2 * GiB}\n", "memory.max": f"{GiB}\n"},
+            GiB,
+            id="v1-and-v2-smallest-wins",
+        ),
+    ],
+)
+def test_cpu_capacity_reads_cgroup_limits(tmp_path: Path, proc_cgroup: str, files: dict[str, str], expected: int):
+    assert _fake_cgroups(tmp_path, proc_cgroup, files).capacity_bytes() == expected
+
+
+def test_cpu_capacity_without_cgroup_limit_is_physical_or_rlimit(tmp_path: Path):
+    backend = _fake_cgroups(tmp_path, "0::/\n", {"memory.max": "max\n"})
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < backend.capacity_bytes() <= physical
+
+
+def test_cpu_capacity_override():
+    assert CPUBackend(capacity_bytes=3 * GiB).capacity_bytes() == 3 * GiB
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GiB"])
+def test_cpu_capacity_override_is_validated(bad: object):
+    with pytest.raises(ValueError, match=r"`capacity_bytes` must be a positive int"):
+        CPUBackend(capacity_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_cpu_backend_reports_no_reserved_peak_and_no_retries():
+    backend = CPUBackend()
+    assert backend.peak_reserved_bytes() is None
+    assert backend.alloc_retries() == 0
+    assert backend.name == "cpu"
+
+
+# ---- backend_for and the protocol -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "cls"),
+    [
+        (torch.device("cpu"), CPUBackend),
+        ("cpu", CPUBackend),
+        ("cuda:1", CUDABackend),  # constructing must not initialise CUDA, so this works without a GPU
+        (torch.device("cuda"), CUDABackend),
+        ("mps", MPSBackend),
+        ("xpu:0", XPUBackend),
+    ],
+)
+def test_backend_for_picks_the_device_type(device: object, cls: type):
+    backend = backend_for(device)  # type: ignore[arg-type]
+    assert type(backend) is cls
+    assert isinstance(backend, MemoryBackend)
+    assert backend.name == torch.device(device).type  # type: ignore[arg-type]
+
+
+def test_backend_for_does_not_initialise_cuda():
+    initialised = torch.cuda.is_initialized()
+    backend_for("cuda")
+    CUDABackend()
+    assert torch.cuda.is_initialized() == initialised
+
+
+def test_backend_for_unknown_device_type():
+    with pytest.raises(ValueError, match=r"`device` of type 'meta' has no memory backend.*cuda, cpu, mps, xpu"):
+        backend_for("meta")
+
+
+def test_backend_for_wrong_type():
+    with pytest.raises(TypeError, match=r"`device` must be a torch.device, a str or an int, got 1.5"):
+        backend_for(1.5)  # type: ignore[arg-type]
+
+
+def test_cuda_backend_refuses_another_device_type():
+    with pytest.raises(ValueError, match=r"`device` must be a CUDA device for CUDABackend, got cpu"):
+        CUDABackend("cpu")
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_peak_grows_and_resets():
+    backend = backend_for("cuda")
+    torch.cuda.synchronize()
+    backend.reset_peak()
+    before = backend.peak_bytes()
+    big = torch.ones(256 * MiB // 4, device="cuda")
+    assert backend.peak_bytes() >= before + 256 * MiB
+    assert backend.current_bytes() >= 256 * MiB
+    reserved = backend.peak_reserved_bytes()
+    assert reserved is not None and reserved >= 256 * MiB
+    del big
+    backend.reset_peak()
+    assert backend.peak_bytes() < before + 256 * MiB
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_capacity_and_retries():
+    backend = CUDABackend(torch.device("cuda", 0))
+    assert backend.capacity_bytes() == torch.cuda.get_device_properties(0).total_memory
+    assert backend.alloc_retries() >= 0

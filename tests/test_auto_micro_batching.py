@@ -1,0 +1,227 @@
+"""Split mode: the step batch is cut into micro-batches that fit, and every update equals the full-batch update."""
+
+from __future__ import annotations
+
+import copy
+import csv
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationScheduler, AutoMicroBatching
+from lightning_accum.memory.oom import OOMFault, OOMInjector
+from lightning_accum.planner import MicroBatchOOMError
+from tests.helpers import (
+    TokenDataset,
+    TokenModel,
+    assert_grads_close,
+    count_tokens,
+    make_trainer,
+    replay_reference,
+    token_loss,
+)
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class SplitTokenModel(TokenModel):
+    """Records the micro-batch sizes ``training_step`` sees and what it logs."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.split_mode = True
+        self.micro_batch_sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.micro_batch_sizes.append(len(batch["x"]))
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+def fit_split(tmp_path, callback, n=48, step_batch=16, lr=0.05, **trainer_kwargs):
+    dataset = TokenDataset(n)
+    model = SplitTokenModel(lr=lr)
+    initial = copy.deepcopy(model)
+    trainer = make_trainer(tmp_path, [callback], **trainer_kwargs)
+    trainer.fit(model, DataLoader(dataset, batch_size=step_batch))
+    expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=lr)
+    return model, expected, trainer
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 5, 16])
+def test_split_steps_are_exact(tmp_path, micro_batch_size):
+    callback = AutoMicroBatching(micro_batch_size, count_items=count_tokens)
+    model, expected, trainer = fit_split(tmp_path, callback)
+    assert trainer.global_step == 3  # one optimizer step per dataloader batch
+    assert max(model.micro_batch_sizes) <= micro_batch_size
+    assert sum(model.micro_batch_sizes) == 48  # no sample seen twice
+    assert_grads_close(model.step_grads, expected, **FP32)
+    assert callback.accumulation_state.samples_per_step == 16
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("micro_batch", [0, 1, 3])
+def test_oom_in_any_micro_batch_retries_the_same_step_exactly(tmp_path, phase, micro_batch):
+    injector = OOMInjector(OOMFault(step=1, micro_batch=micro_batch, phase=phase))
+    callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
+    model, expected, trainer = fit_split(tmp_path, callback)
+    assert injector.fired == [(0, 1, micro_batch, phase)]
+    assert callback.accumulation_state.oom_retries == 1
+    assert trainer.global_step == 3
+    assert_grads_close(model.step_grads, expected, **FP32)
+    events = [(e.kind, e.before, e.after) for e in callback.accumulation_state.events]
+    assert events[0] == ("oom_recovered", 4, 2)
+
+
+def test_oom_at_the_minimum_size_raises_with_the_memory_figures(tmp_path):
+    injector = OOMInjector(OOMFault(step=0, micro_batch=None, phase="forward", times=None))
+    callback = AutoMicroBatching(4, min_micro_batch_size=2, count_items=count_tokens, fault_injector=injector)
+    with pytest.raises(MicroBatchOOMError, match="micro-batch size 2"):
+        fit_split(tmp_path, callback)
+
+
+def test_errors_that_are_not_oom_pass_through_untouched(tmp_path):
+    class Broken(SplitTokenModel):
+        def training_step(self, batch, batch_idx):
+            raise KeyError("labels")
+
+    callback = AutoMicroBatching(4)
+    trainer = make_trainer(tmp_path, [callback])
+    with pytest.raises(KeyError, match="labels"):
+        trainer.fit(Broken(), DataLoader(TokenDataset(16), batch_size=8))
+    assert callback.accumulation_state.oom_retries == 0
+
+
+def test_self_log_combines_micro_batches_into_one_item_weighted_value(tmp_path):
+    logger = CSVLogger(tmp_path, name="logs")
+    callback = AutoMicroBatching(4, count_items=count_tokens)
+    model, expected_grads, _ = fit_split(tmp_path, callback, n=32, logger=logger, log_every_n_steps=1)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    step_values = [float(r["train_loss_step"]) for r in rows if r.get("train_loss_step")]
+    # What the unsplit batch logs: the token mean over the whole step batch, at that step's parameters.
+    dataset = TokenDataset(32)
+    reference = SplitTokenModel(lr=0.05)
+    expected = []
+    for indices, grads in zip(model.step_indices, expected_grads):
+        batch = {k: torch.stack([dataset[i][k] for i in indices]) for k in dataset[0]}
+        with torch.no_grad():
+            expected.append(float(token_loss(reference, batch)))
+            for name, p in reference.named_parameters():
+                p -= 0.05 * grads[name]
+    assert step_values == pytest.approx(expected, rel=1e-5)
+    epoch_values = [float(r["train_loss_epoch"]) for r in rows if r.get("train_loss_epoch")]
+    assert epoch_values == pytest.approx([sum(expected) / 2], rel=1e-5)  # two steps of 16 samples each
+
+
+def test_accumulate_grad_batches_on_the_trainer_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, [AutoMicroBatching()], accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` cannot be combined with `AutoMicroBatching`"):
+        trainer.fit(SplitTokenModel(), DataLoader(TokenDataset(8), batch_size=4))
+
+
+def test_two_accumulation_callbacks_are_refused(tmp_path):
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(), AccumulationScheduler()])
+    with pytest.raises(RuntimeError, match="both want to own gradient accumulation"):
+        trainer.fit(SplitTokenModel(), DataLoader(TokenDataset(8), batch_size=4))
+
+
+def test_manual_optimization_is_refused(tmp_path):
+    model = SplitTokenModel()
+    model.automatic_optimization = False
+    trainer = make_trainer(tmp_path, [AutoMicroBatching()])
+    with pytest.raises(RuntimeError, match="needs automatic optimization"):
+        trainer.fit(model, DataLoader(TokenDataset(8), batch_size=4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_memory": 1.5}, ValueError, r"must be in \(0, 1\], got 1.5"),
+        ({"max_memory": 0.0}, ValueError, r"must be in \(0, 1\], got 0.0"),
+        ({"max_memory": -5}, ValueError, r"in bytes must be >= 1, got -5"),
+        ({"max_memory": "8GB"}, TypeError, r"got '8GB' of type str"),
+        ({"micro_batch_size": 0}, ValueError, r"micro_batch_size"),
+        ({"gradient_sync": "eager"}, ValueError, r"'deferred' or 'overlap', got 'eager'"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AutoMicroBatching(**kwargs)
+
+
+def test_fit_twice_and_state_dict_round_trip(tmp_path):
+    injector = OOMInjector(OOMFault(step=0, micro_batch=0, phase="forward"))
+    callback = AutoMicroBatching(8, count_items=count_tokens, fault_injector=injector)
+    fit_split(tmp_path, callback, n=32)
+    state = callback.state_dict()
+    assert state["oom_retries"] == 1 and state["consumed_samples"] == 32
+    fit_split(tmp_path, callback, n=32)
+    assert callback.state_dict()["consumed_samples"] == 64
+    clone = AutoMicroBatching(8)
+    clone.load_state_dict(state)
+    assert clone.state_dict()["planner"] == state["planner"]
+
+
+class ActivationHeavyModel(SplitTokenModel):
+    """Each sample materialises a large activation, and a 'ballast' phase holds extra memory for some steps."""
+
+    def __init__(self, ballast_steps: range, ballast_bytes: int, width: int = 1 << 16) -> None:
+        super().__init__(lr=0.01)
+        self.ballast_steps, self.ballast_bytes, self.width = ballast_steps, ballast_bytes, width
+        self._ballast: torch.Tensor | None = None
+        self.step_sizes: list[int] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        if self.global_step in self.ballast_steps and self._ballast is None:
+            self._ballast = torch.ones(self.ballast_bytes // 4)  # touched, so it is resident
+        elif self.global_step not in self.ballast_steps:
+            self._ballast = None
+
+    def training_step(self, batch, batch_idx):
+        self.micro_batch_sizes.append(len(batch["x"]))
+        x = batch["x"].sum(-1, keepdim=True) * torch.ones(1, self.width)  # (b, T, width): memory grows with b
+        per_token = (self.layer(batch["x"]).squeeze(-1) - batch["y"]) ** 2 + 0 * x.mean(-1)
+        return (per_token * batch["mask"]).sum() / batch["mask"].sum().clamp(min=1)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_sizes.append(max(self.micro_batch_sizes[-1:] or [0]))
+
+
+def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(tmp_path):
+    from lightning_accum.memory.backends import CPUBackend
+
+    backend = CPUBackend()
+    backend.reset_peak()
+    baseline = backend.current_bytes()
+    per_sample = 8 * (1 << 16) * 4  # T x width floats of the activation, twice (the product and its mean input)
+    budget = baseline + 40 * per_sample
+    model = ActivationHeavyModel(ballast_steps=range(6, 14), ballast_bytes=30 * per_sample)
+    callback = AutoMicroBatching(
+        "auto", max_memory=budget, low_watermark=0.95, grow_patience=2, oom_cooldown=4, count_items=count_tokens
+    )
+    peaks: list[int] = []
+    on_step = callback.planner.on_step
+
+    def record_peak(size, peak_bytes, step, alloc_retries_delta=0):
+        peaks.append(peak_bytes)
+        return on_step(size, peak_bytes, step, alloc_retries_delta)
+
+    callback.planner.on_step = record_peak
+    trainer = make_trainer(tmp_path, [callback], max_steps=24)
+    trainer.fit(model, DataLoader(TokenDataset(64 * 24), batch_size=64))
+    kinds = [e.kind for e in callback.accumulation_state.events]
+    sizes = model.step_sizes
+    print("sizes", sizes, "events", [(e.step, e.kind, e.before, e.after) for e in callback.accumulation_state.events])
+    print("peaks over budget (MiB)", [round((p - budget) / 2**20) for p in peaks])
+    assert "shrink" in kinds, (kinds, sizes)
+    assert "grow" in kinds[kinds.index("shrink") :], (kinds, sizes)
+    assert min(sizes[6:14]) < max(sizes[:6]), sizes
+    assert sizes[-1] > min(sizes[6:14]), sizes
+    # Settled (after the first shrink, outside the ballast's first step): the peak stays under the budget.
+    settled = [p for step, p in enumerate(peaks) if step >= 2 and step not in (6, 7)]
+    assert max(settled) <= budget, [round((p - budget) / 2**20) for p in peaks]

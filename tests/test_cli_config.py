@@ -1,0 +1,167 @@
+"""LightningCLI builds ``lightning_accum`` callbacks from the example's shipped YAML configs and from the command line.
+
+The CLI runs in-process, on the shipped files in ``examples/char_lm/configs``, so a config that stops parsing (or a
+type hint that stops accepting what the YAML writes) fails here rather than in a user's first run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.strategies import DDPStrategy
+
+from examples.char_lm.main import CharLMCLI, main
+from lightning_accum import AccumulationScheduler, BatchSizeRamp, Progress, StepwiseSchedule
+from lightning_accum.items import CountSamples, CountTokens
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "char_lm" / "configs"
+TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=2", "--data.max_sequences=200"]
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LightningCLI warns when both `args` and `sys.argv` hold arguments; pytest's own must not leak into the CLI.
+    monkeypatch.setattr(sys, "argv", ["main.py"])
+
+
+def build(tmp_path: Path, *args: str, subcommand: str | None = None) -> CharLMCLI:
+    quiet = [
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.enable_checkpointing=false",
+    ]
+    if subcommand is None:
+        return main(args=[*args, *quiet], run=False)
+    return main(args=[subcommand, *args, *quiet])
+
+
+def scheduler_of(cli: CharLMCLI) -> AccumulationScheduler:
+    found = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationScheduler)]
+    assert len(found) == 1, f"expected one AccumulationScheduler, got {cli.trainer.callbacks}"
+    return found[0]
+
+
+def first_batch(cli: CharLMCLI) -> dict[str, Any]:
+    cli.datamodule.setup("fit")
+    return next(iter(cli.datamodule.train_dataloader()))
+
+
+def test_window_ramp_config(tmp_path: Path) -> None:
+    cli = build(tmp_path, f"--config={CONFIGS / 'window_ramp.yaml'}")
+    scheduler = scheduler_of(cli)
+    ramp = scheduler.schedule
+    assert isinstance(ramp, BatchSizeRamp)
+    assert (ramp.start, ramp.target, ramp.increment, ramp.ramp_samples, ramp.rounding) == (16, 64, 16, 1024, "error")
+    assert scheduler.count_items == CountTokens(key="labels", ignore_index=-100)
+    assert scheduler.loss_reduction == "mean"
+    assert cli.trainer.accumulate_grad_batches == 1  # the callback owns k; setting both would be an error
+    assert cli.trainer.gradient_clip_val == 1.0
+    assert cli.model.hparams.max_length == cli.datamodule.max_length == 128  # linked by CharLMCLI
+
+    batch = first_batch(cli)
+    assert int(scheduler.count_items(batch)) == int((batch["labels"] != -100).sum())
+    # The ramp divides into whole micro-batches of this config's size: k = 1, 2, 3, 4.
+    increment_every = 1024 / 3  # ramp_samples / number of increments
+    starts = [0, int(increment_every) + 1, int(2 * increment_every) + 1, 1024]
+    steps = [ramp.accumulation_steps(Progress(consumed_samples=s, micro_batch_size=16)) for s in starts]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_ddp_cpu_config_parses(tmp_path: Path) -> None:
+    cli = build(tmp_path, f"--config={CONFIGS / 'ddp_cpu.yaml'}")
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy, DDPStrategy) and isinstance(trainer.accelerator, CPUAccelerator)
+    assert trainer.num_devices == 2
+    scheduler = scheduler_of(cli)
+    assert scheduler.count_items == CountTokens(key="labels")
+    ramp = scheduler.schedule
+    assert isinstance(ramp, BatchSizeRamp)
+    # Every global batch of the ramp is a whole number of micro-steps of 2 ranks x batch_size, or the run would stop.
+    per_micro_step = trainer.num_devices * cli.datamodule.batch_size
+    sizes = range(ramp.start, ramp.target + 1, ramp.increment)
+    assert [size % per_micro_step for size in sizes] == [0] * len(sizes)
+
+
+def test_mapping_schedule_with_int_keys_from_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "mapping.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_accum.AccumulationScheduler\n"
+        "      init_args:\n"
+        "        schedule: {0: 1, 2: 4}\n"
+        "        unit: epoch\n"
+    )
+    scheduler = scheduler_of(build(tmp_path, f"--config={config}"))
+    assert isinstance(scheduler.schedule, StepwiseSchedule)
+    assert scheduler.schedule.milestones == {0: 1, 2: 4} and scheduler.unit == "epoch"
+    assert [scheduler.schedule.accumulation_steps(Progress(epoch=e)) for e in range(4)] == [1, 1, 4, 4]
+    assert scheduler.count_items is None
+
+
+def test_scheduler_appended_on_the_command_line(tmp_path: Path) -> None:
+    cli = build(
+        tmp_path,
+        "--trainer.callbacks+=lightning_accum.AccumulationScheduler",
+        "--trainer.callbacks.schedule={0: 2, 100: 4}",
+        "--trainer.callbacks.unit=step",
+        "--trainer.callbacks.count_items=lightning_accum.items.CountSamples",
+    )
+    scheduler = scheduler_of(cli)
+    assert isinstance(scheduler.schedule, StepwiseSchedule)
+    assert scheduler.schedule.milestones == {0: 2, 100: 4} and scheduler.unit == "step"
+    assert scheduler.count_items == CountSamples()
+
+
+def test_command_line_overrides_the_shipped_config(tmp_path: Path) -> None:
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'window_ramp.yaml'}",
+        "--trainer.callbacks.schedule.target=128",
+        "--trainer.callbacks.count_items.ignore_index=0",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+    )
+    scheduler = scheduler_of(cli)
+    assert isinstance(scheduler.schedule, BatchSizeRamp)
+    assert (scheduler.schedule.start, scheduler.schedule.target) == (16, 128)
+    assert scheduler.count_items == CountTokens(key="labels", ignore_index=0)
+    assert any(isinstance(cb, LearningRateMonitor) for cb in cli.trainer.callbacks)
+
+
+def test_fit_from_the_shipped_config_follows_the_ramp(tmp_path: Path) -> None:
+    # A ramp over 32 samples with micro-batches of 16: windows of 1 and 2 micro-batches, then k=4 cut short by the
+    # epoch's end after 4 micro-batches.
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'window_ramp.yaml'}",
+        *TINY,
+        "--trainer.callbacks.schedule.ramp_samples=32",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=4",
+        "--trainer.limit_val_batches=1",
+        subcommand="fit",
+    )
+    scheduler = scheduler_of(cli)
+    state = scheduler.accumulation_state
+    assert cli.trainer.global_step == 3
+    assert [(e.before, e.after) for e in state.events] == [(1, 2), (2, 4)]
+    assert state.consumed_samples == 4 * 16
+    assert state.items_per_step > state.samples_per_step  # tokens, not samples, are what the last step averaged
+    assert torch.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+    # The config LightningCLI saved (with the counter's class_path) builds the same callback again.
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    # Drop the `fit` options (ckpt_path, ...): the parser without a subcommand has no such keys.
+    saved = {key: saved[key] for key in ("seed_everything", "trainer", "model", "data")}
+    (tmp_path / "saved.yaml").write_text(yaml.safe_dump(saved))
+    rebuilt = scheduler_of(build(tmp_path / "again", f"--config={tmp_path / 'saved.yaml'}"))
+    assert repr(rebuilt.schedule) == repr(scheduler.schedule) and rebuilt.count_items == scheduler.count_items

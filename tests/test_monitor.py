@@ -1,0 +1,356 @@
+"""AccumulationMonitor: every contract key at every optimizer step, with the right values, to every logger.
+
+Real offline W&B runs are read back from disk with our own reader; CSVLogger sees the same keys in the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationScheduler, keys
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
+from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
+from lightning_accum.memory.backends import backend_for
+from lightning_accum.monitoring import BUDGET_FRACTION
+from lightning_accum.state import AccumulationEvent, AccumulationState
+from tests.helpers import IndexedDataset, RegressionModel, make_trainer
+
+GIB = 1024**3
+# What a CPU run logs at every optimizer step (no reserved pool on CPU; events only when they happen).
+EVERY_STEP_KEYS = (set(keys.ALL_KEYS) - {keys.PEAK_RESERVED_GIB}) | {BUDGET_FRACTION}
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    (tmp_path / "wandb_home").mkdir()
+    yield
+    wandb.finish()
+    wandb.teardown()
+
+
+def read_csv(log_dir: str | Path) -> dict[int, dict[str, float]]:
+    """CSVLogger's metrics.csv as step -> {key: value}, merging the rows of one step."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            values = {k: float(v) for k, v in row.items() if v not in ("", None) and k != "step"}
+            rows.setdefault(int(row["step"]), {}).update(values)
+    return rows
+
+
+def wandb_steps(run: Any) -> dict[int, dict[str, Any]]:
+    """History rows that hold monitor metrics, by optimizer step (asserting each step is logged once)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in run.history:
+        if keys.EFFECTIVE_BATCH_SIZE in row:
+            step = int(row[STEP_METRIC])
+            assert step not in by_step, f"step {step} logged twice"
+            by_step[step] = row
+    return by_step
+
+
+def fit(tmp_path, callbacks, loggers, *, n=40, batch_size=4, max_epochs=2, **trainer_kwargs) -> pl.Trainer:
+    trainer = make_trainer(tmp_path, callbacks, logger=loggers, max_epochs=max_epochs, **trainer_kwargs)
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(n), batch_size=batch_size))
+    return trainer
+
+
+def finish_wandb() -> None:
+    import wandb
+
+    wandb.finish()
+
+
+def assert_memory_figures(row: dict[str, Any], capacity_bytes: int) -> None:
+    assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]
+    assert row[keys.CAPACITY_GIB] == pytest.approx(capacity_bytes / GIB)
+    assert row[keys.PEAK_FRACTION] == pytest.approx(row[keys.PEAK_GIB] / row[keys.CAPACITY_GIB])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# window mode, W&B and CSV in the same run
+# ----------------------------------------------------------------------------------------------------------------
+def test_window_mode_logs_every_key_at_every_step_to_wandb_and_csv(tmp_path, wandb_offline):
+    b, k, n, epochs = 4, 2, 40, 2
+    wandb_logger = WandbLogger(project="accum", save_dir=str(tmp_path))
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = fit(tmp_path, [AccumulationScheduler(k), AccumulationMonitor()], [wandb_logger, csv_logger], n=n)
+    finish_wandb()
+
+    steps = n // (b * k) * epochs
+    assert trainer.global_step == steps
+    run = read_offline_run(tmp_path / "wandb")
+    logged = wandb_steps(run)
+    assert sorted(logged) == list(range(1, steps + 1))
+    capacity = backend_for("cpu").capacity_bytes()
+    for step, row in logged.items():
+        assert EVERY_STEP_KEYS <= row.keys(), f"step {step} misses {EVERY_STEP_KEYS - row.keys()}"
+        assert row[keys.EFFECTIVE_BATCH_SIZE] == b * k
+        assert row[keys.MICRO_BATCH_SIZE] == b
+        assert row[keys.ACCUMULATION_STEPS] == k
+        assert row[keys.ITEMS_PER_STEP] == b * k
+        assert row[keys.OOM_RETRIES] == 0
+        assert row[BUDGET_FRACTION] == 1.0
+        assert row[keys.SAMPLES_PER_SEC] > 0 and row[keys.ITEMS_PER_SEC] == pytest.approx(row[keys.SAMPLES_PER_SEC])
+        assert math.isfinite(row[keys.WINDOW_LOSS])
+        assert_memory_figures(row, capacity)
+    # The scheduler's change from k=1 to k=2 before the first window is an event, logged at the first step only.
+    assert logged[1][keys.EVENT_SCHEDULE_CHANGE] == k
+    assert not any(keys.EVENT_SCHEDULE_CHANGE in logged[s] for s in range(2, steps + 1))
+
+    # Memory peaks are summarised by their maximum, the rest by their last value.
+    assert run.summary[keys.PEAK_GIB] == {"max": max(r[keys.PEAK_GIB] for r in logged.values())}
+    assert run.summary[keys.PEAK_FRACTION] == {"max": max(r[keys.PEAK_FRACTION] for r in logged.values())}
+    assert run.summary[keys.EFFECTIVE_BATCH_SIZE] == b * k
+    assert run.metrics[keys.PEAK_GIB] == {"step_metric": STEP_METRIC, "summary": ["max"]}
+    assert run.config[CONFIG_KEY]["mode"] == "window"
+    assert run.config[CONFIG_KEY]["world_size"] == 1
+    assert run.config[CONFIG_KEY]["monitor_logging_interval"] == 1
+
+    # CSVLogger saw the same keys with the same values at the same steps.
+    csv_rows = read_csv(csv_logger.log_dir)
+    for step, row in logged.items():
+        assert EVERY_STEP_KEYS <= csv_rows[step].keys()
+        for key in EVERY_STEP_KEYS:
+            assert csv_rows[step][key] == pytest.approx(row[key], rel=1e-6), (step, key)
+
+
+def test_plain_lightning_accumulation_is_counted_from_the_batches(tmp_path, wandb_offline):
+    # No accumulation callback: 10 micro-batches of 4 per epoch with k=3 make windows of 3, 3, 3 and a 1-batch tail.
+    b, k = 4, 3
+    wandb_logger = WandbLogger(project="accum", save_dir=str(tmp_path))
+    trainer = fit(tmp_path, [AccumulationMonitor()], [wandb_logger], accumulate_grad_batches=k)
+    finish_wandb()
+
+    windows = [3, 3, 3, 1] * 2
+    assert trainer.global_step == len(windows)
+    logged = wandb_steps(read_offline_run(tmp_path / "wandb"))
+    assert [logged[s][keys.ACCUMULATION_STEPS] for s in sorted(logged)] == windows
+    assert [logged[s][keys.EFFECTIVE_BATCH_SIZE] for s in sorted(logged)] == [w * b for w in windows]
+    assert [logged[s][keys.ITEMS_PER_STEP] for s in sorted(logged)] == [w * b for w in windows]
+    for row in logged.values():
+        assert EVERY_STEP_KEYS <= row.keys()
+        assert row[keys.MICRO_BATCH_SIZE] == b
+        assert not any(key in row for key in keys.EVENT_KEYS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# window loss
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("owner", ["scheduler", "plain"])
+def test_window_loss_is_the_item_weighted_mean_over_uneven_micro_batches(tmp_path, owner):
+    # 10 samples in micro-batches of 4, 4 and 2 make one window (k=3), seen by the initial parameters.
+    n, b, k = 10, 4, 3
+    dataset = IndexedDataset(n)
+    model = RegressionModel()
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model.layer(dataset.x), dataset.y).item()
+        chunks = [(nn.functional.mse_loss(model.layer(dataset.x[i : i + b]), dataset.y[i : i + b]).item(), len(dataset.x[i : i + b])) for i in range(0, n, b)]
+    mean_of_means = sum(loss for loss, _ in chunks) / len(chunks)
+    assert abs(mean_of_means - expected) > 1e-3 * expected  # the case tells the right answer from the common wrong one
+    assert expected == pytest.approx(sum(loss * m for loss, m in chunks) / n)
+
+    callbacks: list[pl.Callback] = [AccumulationMonitor()]
+    kwargs: dict[str, Any] = {}
+    if owner == "scheduler":
+        callbacks.insert(0, AccumulationScheduler(k))
+    else:
+        kwargs["accumulate_grad_batches"] = k
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, max_epochs=1, **kwargs)
+    trainer.fit(model, DataLoader(dataset, batch_size=b))
+
+    rows = read_csv(csv_logger.log_dir)
+    assert rows[1][keys.WINDOW_LOSS] == pytest.approx(expected, rel=1e-6)
+    assert rows[1][keys.EFFECTIVE_BATCH_SIZE] == n
+
+
+class SumLossModel(RegressionModel):
+    """Returns the *sum* of squared errors over the micro-batch (``loss_reduction="sum"``)."""
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.layer(batch["x"]), batch["y"], reduction="sum")
+
+
+def test_window_loss_with_sum_reduction_and_an_item_counter(tmp_path):
+    # Items are "samples with an even index": the window loss is the sum over all samples divided by those items.
+    n, b, k = 10, 4, 3
+    dataset = IndexedDataset(n)
+    model = SumLossModel()
+    with torch.no_grad():
+        total = nn.functional.mse_loss(model.layer(dataset.x), dataset.y, reduction="sum").item()
+    n_items = sum(1 for i in range(n) if i % 2 == 0)
+
+    def count_even(batch):
+        return (batch["index"] % 2 == 0).sum()
+
+    scheduler = AccumulationScheduler(k, count_items=count_even, loss_reduction="sum")
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [scheduler, AccumulationMonitor()], logger=csv_logger, max_epochs=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=b))
+
+    row = read_csv(csv_logger.log_dir)[1]
+    assert row[keys.WINDOW_LOSS] == pytest.approx(total / n_items, rel=1e-6)
+    assert row[keys.ITEMS_PER_STEP] == n_items
+    assert row[keys.EFFECTIVE_BATCH_SIZE] == n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# an owner in split mode (a stand-in for AutoMicroBatching): what it provides is what is logged
+# ----------------------------------------------------------------------------------------------------------------
+class SplitModeOwner(pl.Callback):
+    """Fills an :class:`AccumulationState` the way split mode does: k from memory, OOMs, its own window loss."""
+
+    def __init__(self) -> None:
+        self.accumulation_state = AccumulationState(mode="split", world_size=1, settings={"max_memory": 0.5})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        state = self.accumulation_state
+        step = trainer.global_step
+        state.micro_batch_size = 2
+        state.accumulation_steps = 4 if step == 0 else 2
+        state.samples_per_step = 8
+        state.items_per_step = 16.0  # tokens
+        if step == 1:
+            state.oom_retries += 1
+            state.events.append(AccumulationEvent("oom_recovered", step, 4, 2, "CUDA out of memory"))
+        state.window_loss_sum = 3.0 * (step + 1)  # local sum over the items of this rank
+        state.window_items = 6.0
+
+
+def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path, caplog):
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    with caplog.at_level(logging.INFO, logger="lightning_accum"):
+        fit(tmp_path, [SplitModeOwner(), AccumulationMonitor()], csv_logger, n=12, batch_size=4, max_epochs=1)
+
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s][keys.ACCUMULATION_STEPS] for s in (1, 2, 3)] == [4, 2, 2]
+    assert [rows[s][keys.OOM_RETRIES] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [rows[s][keys.WINDOW_LOSS] for s in (1, 2, 3)] == pytest.approx([3.0 / 6, 6.0 / 6, 9.0 / 6])
+    for row in rows.values():
+        assert row[keys.EFFECTIVE_BATCH_SIZE] == 8
+        assert row[keys.ITEMS_PER_STEP] == 16
+        assert row[BUDGET_FRACTION] == 0.5
+        assert row[keys.ITEMS_PER_SEC] == pytest.approx(2 * row[keys.SAMPLES_PER_SEC])
+    assert rows[2][keys.EVENT_OOM_RECOVERED] == 2
+    assert keys.EVENT_OOM_RECOVERED not in rows[1] and keys.EVENT_OOM_RECOVERED not in rows[3]
+    assert "lightning_accum: micro-batch size after an OOM 4 -> 2 at step 1 (CUDA out of memory)" in caplog.messages
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# logging interval, memory reset, contract
+# ----------------------------------------------------------------------------------------------------------------
+def test_logging_interval_logs_every_nth_step_with_throughput_over_the_interval(tmp_path):
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = fit(tmp_path, [AccumulationScheduler(2), AccumulationMonitor(logging_interval=2)], csv_logger)
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == list(range(2, trainer.global_step + 1, 2))
+    for row in rows.values():
+        assert EVERY_STEP_KEYS <= row.keys()
+        assert row[keys.EFFECTIVE_BATCH_SIZE] == 8
+
+
+class AllocatesAtStep(RegressionModel):
+    """Holds a large, touched tensor during one optimizer step, so that step's peak resident set stands out."""
+
+    def __init__(self, step: int, n_bytes: int, rank: int = 0) -> None:
+        super().__init__()
+        self.spike_step, self.n_bytes, self.spike_rank = step, n_bytes, rank
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.spike_step and self.global_rank == self.spike_rank:
+            block = torch.ones(self.n_bytes // 4)  # ones, not empty: only touched pages count in the resident set
+            del block
+        return super().training_step(batch, batch_idx)
+
+
+def test_peak_is_reset_at_each_logging_step(tmp_path):
+    spike = 512 * 1024**2
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], logger=csv_logger)
+    trainer.fit(AllocatesAtStep(step=2, n_bytes=spike), DataLoader(IndexedDataset(40), batch_size=4))
+    peaks = {s: r[keys.PEAK_GIB] for s, r in read_csv(csv_logger.log_dir).items()}
+    # The spike happens in the third optimizer step (global_step 2 while it runs), logged at step 3.
+    assert peaks[3] - peaks[2] > 0.8 * spike / GIB
+    assert peaks[3] - peaks[4] > 0.8 * spike / GIB  # reset: the next interval no longer holds it
+
+
+def test_fit_twice_and_state_dict_round_trip(tmp_path):
+    monitor = AccumulationMonitor(logging_interval=1)
+    for run in range(2):
+        csv_logger = CSVLogger(str(tmp_path), name=f"fit{run}")
+        trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], logger=csv_logger)
+        trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
+        rows = read_csv(csv_logger.log_dir)
+        assert sorted(rows) == [1, 2]
+        assert all(EVERY_STEP_KEYS <= row.keys() for row in rows.values())
+
+    state = monitor.state_dict()
+    other = AccumulationMonitor(logging_interval=1)
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    AccumulationMonitor().load_state_dict({})  # an older checkpoint without our entries still loads
+
+
+@pytest.mark.parametrize(
+    ("interval", "error", "match"),
+    [(0, ValueError, r"`logging_interval` must be >= 1.*got 0"), ("2", TypeError, r"`logging_interval` must be an int.*'2'"), (True, TypeError, "must be an int")],
+)
+def test_bad_logging_interval_raises_a_clear_error(interval, error, match):
+    with pytest.raises(error, match=match):
+        AccumulationMonitor(logging_interval=interval)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DDP: global totals and the largest peak of any rank
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("owner", ["scheduler", "plain"])
+def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
+    b, k, world = 4, 2, 2
+    spike = 512 * 1024**2
+    callbacks: list[pl.Callback] = [AccumulationMonitor()]
+    kwargs: dict[str, Any] = {}
+    if owner == "scheduler":
+        callbacks.insert(0, AccumulationScheduler(k))
+    else:
+        kwargs["accumulate_grad_batches"] = k
+    # A fixed version: the spawned rank 0 writes the file, and the parent would otherwise resolve the next version.
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=world, **kwargs)
+    # 32 samples: 16 per rank, 4 micro-batches, 2 windows of k=2 per rank. Only rank 1 allocates, in the 2nd step.
+    trainer.fit(AllocatesAtStep(step=1, n_bytes=spike, rank=1), DataLoader(IndexedDataset(32), batch_size=b))
+
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert EVERY_STEP_KEYS <= row.keys()
+        assert row[keys.EFFECTIVE_BATCH_SIZE] == b * k * world
+        assert row[keys.ITEMS_PER_STEP] == b * k * world
+        assert row[keys.MICRO_BATCH_SIZE] == b
+        assert row[keys.ACCUMULATION_STEPS] == k
+        assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]
+    # Rank 0 (the one that logs) never held the block: the logged peak is rank 1's.
+    assert rows[2][keys.PEAK_GIB] - rows[1][keys.PEAK_GIB] > 0.8 * spike / GIB
+

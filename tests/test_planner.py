@@ -1,0 +1,370 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from lightning_accum.memory.model import LinearPeakModel
+from lightning_accum.planner import MicroBatchOOMError, MicroBatchPlanner, PlannerEvent, SimulationResult, simulate
+from lightning_accum.state import AccumulationEvent
+
+GiB = 2**30
+CAPACITY = 16 * GiB
+BUDGET = 0.9 * CAPACITY  # 14.4 GiB
+FIXED, PER_SAMPLE = 2 * GiB, GiB / 4  # peak(b) = 2 GiB + 0.25 GiB * b: b <= 49 fits the budget, b <= 56 the device
+
+
+def peak(b: int, per_sample: float = PER_SAMPLE) -> float:
+    return FIXED + per_sample * b
+
+
+def steady(step: int, b: int) -> float:
+    return peak(b)
+
+
+def hungry(step: int, b: int) -> float:
+    """Twice the activation memory per sample between steps 300 and 600 (say, longer sequences)."""
+    return peak(b, 2 * PER_SAMPLE if 300 <= step < 600 else PER_SAMPLE)
+
+
+def noisy(step: int, b: int) -> float:
+    """+-5% of deterministic jitter from step 100 on."""
+    jitter = 0.05 * ((step * 7919) % 11 - 5) / 5 if step >= 100 else 0.0
+    return peak(b) * (1 + jitter)
+
+
+def balanced(limit: int, step_batch_size: int) -> int:
+    """The size the planner uses under a limit: the same k as the limit gives, with even chunks."""
+    return math.ceil(step_batch_size / math.ceil(step_batch_size / min(limit, step_batch_size)))
+
+
+def planner(**kwargs: Any) -> MicroBatchPlanner:
+    return MicroBatchPlanner(**{"budget_bytes": BUDGET, **kwargs})
+
+
+def run(
+    predictive: bool, peak_fn: Callable[[int, int], float] = steady, steps: int = 1000, step_batch_size: int = 256
+) -> SimulationResult:
+    return simulate(
+        planner(predictive=predictive),
+        step_batch_size=step_batch_size,
+        steps=steps,
+        peak_bytes=peak_fn,
+        capacity_bytes=CAPACITY,
+    )
+
+
+# ---- construction ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"micro_batch_size": 0}, ValueError, r"`micro_batch_size` must be an int >= 1 or \"auto\", got 0"),
+        ({"micro_batch_size": "max"}, TypeError, r"`micro_batch_size` must be an int >= 1 or \"auto\", got 'max'"),
+        ({"micro_batch_size": 2, "min_micro_batch_size": 4}, ValueError, r"`micro_batch_size=2` is below"),
+        ({"min_micro_batch_size": 0}, ValueError, r"`min_micro_batch_size` must be an int >= 1, got 0"),
+        ({"budget_bytes": 0}, ValueError, r"`budget_bytes` must be a finite number > 0, got 0.0"),
+        ({"budget_bytes": "1GiB"}, TypeError, r"`budget_bytes` must be a number, got '1GiB'"),
+        ({"low_watermark": 1.0}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got 1.0"),
+        ({"grow_patience": 0}, ValueError, r"`grow_patience` must be an int >= 1, got 0"),
+        ({"oom_cooldown": -1}, ValueError, r"`oom_cooldown` must be an int >= 0, got -1"),
+        ({"predictive": 1}, TypeError, r"`predictive` must be a bool, got 1"),
+        ({"pinned": True}, ValueError, r"`pinned=True` needs an int `micro_batch_size`"),
+    ],
+)
+def test_validation(kwargs: dict, error: type[Exception], match: str):
+    with pytest.raises(error, match=match):
+        MicroBatchPlanner(**kwargs)
+
+
+# ---- sizes ----------------------------------------------------------------------------------------------------------
+
+
+def test_auto_starts_from_the_whole_step_batch():
+    p = planner()
+    assert p.micro_batch_size is None
+    assert p.size_for(64) == 64
+    assert p.micro_batch_size == 64
+
+
+def test_auto_starts_from_the_prediction_when_the_model_is_fitted():
+    p = planner()
+    p.model.observe(1, peak(1))
+    p.model.observe(2, peak(2))
+    assert p.size_for(256) == balanced(49, 256) == 43  # 49 fits the budget: 6 micro-batches of at most 43
+
+
+@pytest.mark.parametrize(("start", "step_batch_size", "expected"), [(16, 64, 16), (40, 100, 34), (128, 64, 64)])
+def test_int_start(start: int, step_batch_size: int, expected: int):
+    assert planner(micro_batch_size=start).size_for(step_batch_size) == expected == balanced(start, step_batch_size)
+
+
+@pytest.mark.parametrize("step_batch_size", [1, 7, 64, 97, 100, 256])
+@pytest.mark.parametrize("limit", [1, 3, 16, 40, 64, 300])
+def test_balanced_sizes_keep_k_and_never_exceed_the_limit(step_batch_size: int, limit: int):
+    b = planner(micro_batch_size=limit).size_for(step_batch_size)
+    assert b <= min(limit, step_batch_size)
+    assert math.ceil(step_batch_size / b) == math.ceil(step_batch_size / min(limit, step_batch_size))
+    chunks = [min(b, step_batch_size - s) for s in range(0, step_batch_size, b)]
+    assert max(chunks) - min(chunks) <= math.ceil(step_batch_size / b)  # near-even
+
+
+def test_short_tail_batch_does_not_lower_the_size():
+    p = planner(micro_batch_size=32)
+    assert p.size_for(10) == 10
+    assert p.size_for(64) == 32
+
+
+# ---- OOM recovery ---------------------------------------------------------------------------------------------------
+
+
+def test_oom_halves_without_a_model():
+    p = planner()
+    p.size_for(64)
+    assert [p.on_oom(64, 0), p.on_oom(32, 0), p.on_oom(16, 0)] == [32, 16, 8]
+    assert [(e.kind, e.before, e.after) for e in p.events] == [
+        ("oom_recovered", 64, 32),
+        ("oom_recovered", 32, 16),
+        ("oom_recovered", 16, 8),
+    ]
+
+
+def test_oom_uses_the_model_when_it_predicted_the_failure():
+    p = planner()
+    p.size_for(256)
+    p.model.observe(8, peak(8))
+    p.model.observe(16, peak(16))
+    # The model predicts that 128 doesn't fit: jump straight to the largest that does (49 -> balanced 43).
+    assert p.on_oom(128, step=3) == balanced(49, 256)
+    assert "largest predicted to fit" in p.events[-1].reason
+
+
+def test_oom_at_a_size_the_model_said_fits_resets_the_model_and_halves():
+    p = planner()
+    p.size_for(256)
+    p.model.observe(8, peak(8))
+    p.model.observe(16, peak(16))
+    assert p.on_oom(40, step=3) == 20
+    assert not p.model.fitted()
+    assert "model reset, halved" in p.events[-1].reason
+
+
+def test_oom_respects_min_micro_batch_size_and_then_raises_with_the_figures():
+    p = planner(min_micro_batch_size=4)
+    p.size_for(16)
+    p.on_step(16, peak(16), step=0)
+    assert p.on_oom(16, step=1) == 8
+    assert p.on_oom(8, step=1) == 4
+    with pytest.raises(MicroBatchOOMError, match=r"size 4 at step 1, and `min_micro_batch_size` is 4") as info:
+        p.on_oom(4, step=1)
+    err = info.value
+    assert (err.micro_batch_size, err.step, err.budget_bytes, err.last_peak_bytes) == (4, 1, BUDGET, peak(16))
+    assert "budget 14.40 GiB" in str(err) and "last measured peak 6.00 GiB at size 16" in str(err)
+
+
+def test_oom_at_size_one_without_a_budget_says_so():
+    p = MicroBatchPlanner()
+    with pytest.raises(MicroBatchOOMError, match=r"\(no budget set\)\. Lower the memory per sample.*or `min_micro_batch_size`"):
+        p.on_oom(1, step=0)
+
+
+# ---- shrinking on pressure ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("predictive", "expected"), [(True, 49), (False, 32)])
+def test_over_budget_peak_shrinks(predictive: bool, expected: int):
+    p = planner(micro_batch_size=64, predictive=predictive)
+    assert p.size_for(256) == 64
+    p.model.observe(8, peak(8))
+    p.model.observe(16, peak(16))
+    after = balanced(expected, 256)
+    assert p.on_step(64, peak(64), step=5) == after
+    assert p.events == [PlannerEvent(5, "shrink", 64, after, "peak 18.00 GiB > budget 14.40 GiB")]
+
+
+def test_alloc_retries_on_two_consecutive_steps_shrink():
+    p = planner(micro_batch_size=32)
+    p.size_for(32)
+    assert p.on_step(32, peak(32), 0, alloc_retries_delta=3) == 32
+    assert p.on_step(32, peak(32), 1, alloc_retries_delta=0) == 32  # the streak is broken
+    assert p.on_step(32, peak(32), 2, alloc_retries_delta=1) == 32
+    assert p.on_step(32, peak(32), 3, alloc_retries_delta=1) == 16
+    assert p.events[-1].reason == "allocator retried on 2 consecutive steps"
+
+
+def test_pinned_size_does_not_shrink_on_pressure():
+    p = planner(micro_batch_size=32, pinned=True)
+    p.size_for(64)
+    assert p.on_step(32, 1.05 * BUDGET, step=0, alloc_retries_delta=1) == 32
+    assert p.on_step(32, 1.05 * BUDGET, step=1, alloc_retries_delta=1) == 32
+    assert p.events == []
+
+
+def test_pinned_size_recovers_from_an_oom_and_grows_back_to_the_pin_only():
+    p = planner(micro_batch_size=32, pinned=True, grow_patience=1, oom_cooldown=5)
+    size = p.size_for(64)
+    size = p.on_oom(size, step=0)
+    sizes = [size]
+    for step in range(1, 20):
+        size = p.on_step(size, peak(size), step=step)
+        sizes.append(size)
+    assert sizes[0] == 16
+    assert sizes[-1] == 32 and max(sizes) == 32  # 49 would fit the budget, but 32 is pinned
+    assert next(step for step, b in enumerate(sizes) if b == 32) >= 5  # not before the cool-down ended
+
+
+# ---- growing back ---------------------------------------------------------------------------------------------------
+
+
+def test_grows_only_after_patience_steps_under_the_low_watermark():
+    p = planner(micro_batch_size=8, grow_patience=3)
+    p.size_for(256)
+    low = peak(8)  # 4 GiB < 0.7 * 14.4 GiB
+    assert p.on_step(8, low, 0) == 8
+    assert p.on_step(8, low, 1) == 8
+    assert p.on_step(8, 0.8 * BUDGET, 2) == 8  # above the low watermark: patience starts over
+    assert p.on_step(8, low, 3) == 8
+    assert p.on_step(8, low, 4) == 8
+    grown = p.on_step(8, low, 5)
+    # One measurement: grow by budget / peak, which a fixed part >= 0 makes safe.
+    assert grown == balanced(math.floor(8 * BUDGET / low), 256)
+    assert peak(grown) <= BUDGET
+    assert p.events[-1].kind == "grow"
+
+
+def test_never_grows_into_a_size_in_cool_down():
+    p = planner(grow_patience=1, oom_cooldown=50)
+    p.size_for(64)
+    assert p.on_oom(64, step=0) == 32
+    p.model.observe(4, 1.0 * GiB)  # a model that says everything up to 64 fits easily
+    p.model.observe(8, 1.1 * GiB)
+    # The model allows 64, but 64 is cooling down: the limit becomes 63, which still needs 2 micro-batches of 32.
+    assert p.on_step(32, 2 * GiB, step=1) == balanced(63, 64) == 32
+    assert [e.kind for e in p.events] == ["oom_recovered"]
+    assert p.cooling_down_from(49) == 64
+    assert p.on_step(32, 2 * GiB, step=50) == 64  # the cool-down is over
+    assert p.cooling_down_from(50) is None
+
+
+def test_halving_mode_doubles_back_only_after_the_cool_down():
+    p = planner(predictive=False, grow_patience=1, oom_cooldown=10)
+    p.size_for(64)
+    assert p.on_oom(64, step=0) == 32
+    assert [p.on_step(32, GiB, step=s) for s in range(1, 10)] == [32] * 9
+    assert p.on_step(32, GiB, step=10) == 64
+
+
+def test_growth_is_capped_by_the_step_batch_size():
+    p = planner(micro_batch_size=4, grow_patience=1)
+    p.size_for(20)
+    assert p.on_step(4, GiB, step=0) == 20
+
+
+def test_no_budget_means_no_budget_decisions():
+    p = MicroBatchPlanner(micro_batch_size=8, grow_patience=1)
+    p.size_for(64)
+    assert [p.on_step(8, 100 * GiB if s % 2 else GiB, step=s) for s in range(10)] == [8] * 10
+    assert p.on_oom(8, step=10) == 4
+
+
+# ---- events, determinism, checkpoints -------------------------------------------------------------------------------
+
+
+def test_events_turn_into_accumulation_events():
+    p = planner()
+    p.size_for(64)
+    p.on_oom(64, step=2)
+    events = p.take_events()
+    assert p.events == [] and p.take_events() == []
+    converted = [AccumulationEvent(kind=e.kind, step=e.step, before=e.before, after=e.after, reason=e.reason)
+                 for e in events]  # fmt: skip
+    assert converted[0].message() == (
+        "lightning_accum: micro-batch size after an OOM 64 -> 32 at step 2 (OOM at 64: halved)"
+    )
+
+
+def test_decisions_are_deterministic():
+    first, second = run(True, hungry, steps=800), run(True, hungry, steps=800)
+    assert first.sizes == second.sizes and first.events == second.events and first.oom_steps == second.oom_steps
+
+
+def test_state_dict_round_trip_continues_identically():
+    original = planner(predictive=True)
+    simulate(original, step_batch_size=256, steps=350, peak_bytes=hungry, capacity_bytes=CAPACITY)
+    restored = planner(predictive=True)
+    restored.load_state_dict(original.state_dict())
+    assert restored.state_dict() == original.state_dict()
+    assert restored.micro_batch_size == original.micro_batch_size
+
+    def rest(p: MicroBatchPlanner) -> SimulationResult:
+        return simulate(p, step_batch_size=256, steps=450, peak_bytes=hungry, capacity_bytes=CAPACITY, first_step=350)
+
+    a, b = rest(original), rest(restored)
+    assert a.sizes == b.sizes and a.oom_steps == b.oom_steps and a.events == b.events
+    assert any(e.kind == "grow" for e in a.events), "the continuation must exercise restored state"
+
+
+def test_load_state_dict_accepts_an_empty_or_old_checkpoint():
+    p = planner()
+    p.load_state_dict({})
+    assert p.micro_batch_size is None and not p.model.fitted()
+    p.load_state_dict({"limit": 12, "step_batch_size": 48})
+    assert p.micro_batch_size == 12
+    model = LinearPeakModel()
+    model.observe(1, peak(1))
+    model.observe(2, peak(2))
+    p.load_state_dict({"limit": 12, "model": model.state_dict(), "failed": [[24, 100]]})
+    assert p.model.fitted() and p.cooling_down_from(99) == 24
+
+
+# ---- the simulator: predictive vs plain halving ---------------------------------------------------------------------
+
+
+def test_predictive_settles_with_no_more_ooms_than_halving_and_fits():
+    predictive, halving = run(True), run(False)
+    print(
+        f"\nsteady, B=256, 1000 steps: predictive {predictive.ooms_to_settle} OOMs to settle"
+        f" ({predictive.ooms} in all), final b={predictive.final_size};"
+        f" halving {halving.ooms_to_settle} to settle ({halving.ooms} in all), final b={halving.final_size}"
+    )
+    assert predictive.ooms_to_settle <= halving.ooms_to_settle
+    assert predictive.ooms <= halving.ooms
+    assert peak(predictive.final_size) <= BUDGET and peak(halving.final_size) <= CAPACITY
+    # Predicting lands on a larger size than halving's power-of-two ladder, and stops probing.
+    assert predictive.final_size > halving.final_size
+    assert predictive.oom_steps == [0, 0, 0]
+    assert halving.ooms > 3, "plain halving re-probes the failed size every time its cool-down ends"
+
+
+def test_a_fitted_model_settles_without_any_oom():
+    p = planner()
+    p.model.observe(1, peak(1))  # e.g. from a two-point probe before training
+    p.model.observe(2, peak(2))
+    result = simulate(p, step_batch_size=256, steps=200, peak_bytes=steady, capacity_bytes=CAPACITY)
+    assert result.ooms == 0 and result.final_size == balanced(49, 256)
+
+
+def test_grows_back_after_a_memory_hungry_phase():
+    for predictive in (True, False):
+        result = run(predictive, hungry, steps=1200)
+        before, during, after = result.sizes[299], result.sizes[300:600], result.sizes[-1]
+        print(f"\nhungry phase, predictive={predictive}: b {before} -> {min(during)} -> {after}, {result.ooms} OOMs")
+        assert max(during) < before, "the hungry phase must shrink the micro-batch"
+        assert all(hungry(300 + i, b) <= CAPACITY for i, b in enumerate(during))
+        assert after > max(during), "the micro-batch must grow back once the phase ends"
+        grows = [e for e in result.events if e.kind == "grow" and e.step >= 600]
+        assert grows, result.events
+    predictive = run(True, hungry, steps=1200)
+    assert predictive.oom_steps == [0, 0, 0, 300]  # one OOM to enter the phase, none to leave it
+    assert peak(predictive.final_size) <= BUDGET
+
+
+def test_no_oscillation_in_a_steady_phase():
+    result = run(True, noisy, steps=1000)
+    late = [e for e in result.events if e.step >= 100]
+    assert late == [], late
+    assert len(set(result.sizes[100:])) == 1
+    assert result.ooms == 3
