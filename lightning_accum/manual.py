@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_accum import _compat
 from lightning_accum.distributed import sum_across_ranks_fn
+from lightning_accum.items import resolve_counter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -66,11 +67,11 @@ class ManualAccumulation:
         self,
         accumulation_steps: int | Mapping[int, int] | AccumulationSchedule = 1,
         *,
-        count_items: ItemCounter | None = None,
+        count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
     ) -> None:
         self.schedule: AccumulationSchedule = as_schedule(accumulation_steps, "epoch") or ConstantSchedule(1)
-        self.count_items = count_items
+        self.count_items = resolve_counter(count_items)
         self.normalizer = WindowNormalizer(check_loss_reduction(loss_reduction))
         self.last_window: WindowTotals | None = None
         self.consumed_samples = 0

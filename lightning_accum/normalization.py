@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 LossReduction = Literal["mean", "sum"]
-ItemCounter = Callable[[Any], "int | Tensor"]
+# Returns an int or an integer tensor. The return type stays `Any` on purpose: jsonargparse (LightningCLI) reads
+# `Callable[..., int | Tensor]` as "a factory of Tensors" and would refuse counters given in YAML.
+ItemCounter = Callable[[Any], Any]
 
 
 def check_loss_reduction(loss_reduction: Any) -> LossReduction:

@@ -305,7 +305,7 @@ class MicroBatchPlanner:
             predicted = self.model.predict(size)
             if abs(predicted - peak) > self.refit_tolerance * max(peak, 1.0):
                 # Measurements from an earlier phase of training would bend the new fit; start over.
-                pass
+                self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
         self.model.observe(size, peak)
 
     def _shrink_target(self, size: int, peak: float, budget: float) -> int:

@@ -220,7 +220,7 @@ def test_fit_twice_and_state_dict_round_trip(tmp_path):
         ({"schedule": {0: "2"}}, TypeError, r"`schedule\[0\]` must be an int >= 1, got '2'"),
         ({"schedule": 2, "unit": "batch"}, ValueError, r"`unit` must be one of 'epoch', 'step', 'sample', got 'batch'"),
         ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be 'mean' .* got 'avg'"),
-        ({"count_items": 3}, TypeError, r"`count_items` must be a function of a batch, got 3"),
+        ({"count_items": 3}, TypeError, r"`count_items` must be a function of a batch.*got 3 of type int"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, error, match):

@@ -167,7 +167,7 @@ def test_oom_respects_min_micro_batch_size_and_then_raises_with_the_figures():
 
 def test_oom_at_size_one_without_a_budget_says_so():
     p = MicroBatchPlanner()
-    with pytest.raises(MicroBatchOOMError, match=r"\(no budget set\)\. Lower the memory per sample.*or `min_micro_batch_size`"):
+    with pytest.raises(MicroBatchOOMError, match=r"\(no budget set\)\. Lower the memory per sample.*`min_micro_"):
         p.on_oom(1, step=0)
 
 
@@ -214,6 +214,19 @@ def test_pinned_size_recovers_from_an_oom_and_grows_back_to_the_pin_only():
     assert sizes[0] == 16
     assert sizes[-1] == 32 and max(sizes) == 32  # 49 would fit the budget, but 32 is pinned
     assert next(step for step, b in enumerate(sizes) if b == 32) >= 5  # not before the cool-down ended
+
+
+def test_a_peak_far_from_the_prediction_starts_a_new_model():
+    p = planner(micro_batch_size=16)
+    p.size_for(64)
+    p.on_step(8, peak(8), step=0)
+    p.on_step(16, peak(16), step=1)
+    assert p.model.fitted()
+    p.on_step(16, peak(16) * 1.1, step=2)  # within `refit_tolerance`: refine the fit
+    assert p.model.observations == {8: peak(8), 16: peak(16) * 1.1}
+    p.on_step(16, peak(16, 2 * PER_SAMPLE), step=3)  # a new phase: the old measurement at 8 would bend the fit
+    assert p.model.observations == {16: peak(16, 2 * PER_SAMPLE)}
+    assert not p.model.fitted()
 
 
 # ---- growing back ---------------------------------------------------------------------------------------------------
@@ -298,6 +311,8 @@ def test_state_dict_round_trip_continues_identically():
     restored.load_state_dict(original.state_dict())
     assert restored.state_dict() == original.state_dict()
     assert restored.micro_batch_size == original.micro_batch_size
+    assert restored.cooling_down_from(400) == original.cooling_down_from(400) == 43  # the OOM at step 300
+    assert restored.model.observations == original.model.observations
 
     def rest(p: MicroBatchPlanner) -> SimulationResult:
         return simulate(p, step_batch_size=256, steps=450, peak_bytes=hungry, capacity_bytes=CAPACITY, first_step=350)

@@ -89,12 +89,17 @@ class AccumulationMonitor(Callback):
             )
         self.logging_interval = logging_interval
         self._backend: MemoryBackend | None = None
-        self._loss = WeightedMean()
+        self._capacity_bytes = 0
+        self._owner: Any = None
+        self._loss = WeightedMean()  # syncs across ranks at logging steps
         self._reset_fit_counters()
 
     def _reset_fit_counters(self) -> None:
         self._last_step = 0
-        self._loss_updated = False
+        # The window loss, summed over items since the last logging step on this rank. Plain tensors, not a metric
+        # update per micro-batch: a torchmetrics update costs tens of microseconds, and a tiny step not much more.
+        self._loss_sum: Tensor | None = None
+        self._loss_weight: Tensor | float = 0.0
         # Counted from the batches, for when no callback owns accumulation (all local to this rank).
         self._window_samples = 0
         self._window_micro_batches = 0
@@ -116,6 +121,7 @@ class AccumulationMonitor(Callback):
         if stage != "fit":
             return
         self._backend = backend_for(trainer.strategy.root_device)
+        self._capacity_bytes = self._backend.capacity_bytes()  # read once: on CPU it walks the cgroup files
         self._loss = self._loss.to(trainer.strategy.root_device)
         self._loss.reset()
 
@@ -144,6 +150,7 @@ class AccumulationMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_fit_counters()
         self._last_step = trainer.global_step
+        self._owner = _find_owner(trainer)
         self._loss.reset()
         if self._backend is not None:
             self._backend.reset_peak()
@@ -168,7 +175,7 @@ class AccumulationMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        owner = _find_owner(trainer)
+        owner = self._owner
         state = owner.accumulation_state if owner is not None else None
         if state is None:
             n_samples = batch_size_of(batch)
@@ -190,7 +197,7 @@ class AccumulationMonitor(Callback):
             self._interval_samples += state.samples_per_step
             self._interval_items += state.items_per_step
             if _provides_window_loss(state):
-                self._update_loss(state.window_loss_sum, state.window_items, reduction="sum")  # type: ignore[attr-defined]
+                self._add_loss(state.window_loss_sum, state.window_items)  # type: ignore[attr-defined]
         if trainer.global_step % self.logging_interval == 0:
             self._log(trainer, state)
 
@@ -198,33 +205,41 @@ class AccumulationMonitor(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, Tensor):
             return  # training_step skipped this micro-batch
+        n_items = count_items(batch, getattr(owner, "count_items", None))
         # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
-        value = loss.detach() * trainer.accumulate_grad_batches
-        counter = getattr(owner, "count_items", None)
-        reduction = getattr(owner, "loss_reduction", "mean")
-        self._update_loss(value, count_items(batch, counter), reduction=reduction)
+        k = trainer.accumulate_grad_batches
+        if getattr(owner, "loss_reduction", "mean") == "sum":
+            self._add_loss(loss.detach() * k, n_items)
+        elif isinstance(n_items, Tensor):
+            self._add_loss(loss.detach() * k * n_items, n_items)
+        elif n_items > 0:  # an empty micro-batch has a NaN mean and nothing to add
+            self._add_loss(loss.detach() * (k * n_items), n_items)
 
-    def _update_loss(self, value: Tensor | float, items: Tensor | float, reduction: str) -> None:
-        device = self._loss.device
-        value = torch.as_tensor(value, dtype=torch.float32, device=device)
-        weight = torch.as_tensor(items, dtype=torch.float32, device=device)
-        if reduction == "sum":
-            value = value / weight.clamp(min=1.0)  # a mean over the items, weighted by their number
-        # An empty micro-batch has a NaN mean and no weight: it must add nothing, not NaN (no host read to check).
-        value = torch.where(weight > 0, value, torch.zeros_like(value))
-        self._loss.update(value, weight)
-        self._loss_updated = True
+    def _add_loss(self, total: Tensor | float, n_items: Tensor | float) -> None:
+        """Add the summed loss ``total`` over ``n_items`` items, without reading anything back from the device."""
+        total = torch.as_tensor(total, dtype=torch.float32).detach()
+        if isinstance(n_items, Tensor):
+            n_items = n_items.to(device=total.device, dtype=torch.float32)
+            total = torch.where(n_items > 0, total, torch.zeros_like(total))  # no NaN from an empty micro-batch
+        if self._loss_sum is None:
+            self._loss_sum = total.clone()
+        else:
+            self._loss_sum += total.to(self._loss_sum.device)
+        self._loss_weight = self._loss_weight + n_items
 
     # ----------------------------------------------------------------------------------------------------------
     # logging steps: the only place that synchronizes
     # ----------------------------------------------------------------------------------------------------------
     def _log(self, trainer: pl.Trainer, state: AccumulationState | None) -> None:
         # Every rank runs this block in the same order: it holds collectives.
-        if not self._loss_updated:
-            self._update_loss(0.0, 0.0, reduction="mean")  # keeps compute() symmetric across ranks, adds nothing
+        device = self._loss.device
+        weight = torch.as_tensor(self._loss_weight, dtype=torch.float32, device=device)
+        total = self._loss_sum.to(device) if self._loss_sum is not None else torch.zeros((), device=device)
+        # Every rank updates, also with nothing, so that compute() syncs the same way on all of them.
+        self._loss.update(torch.where(weight > 0, total / weight.clamp(min=1e-30), torch.zeros_like(total)), weight)
         window_loss = float(self._loss.compute())  # syncs ranks and the device, so the clock below is honest
         self._loss.reset()
-        self._loss_updated = False
+        self._loss_sum, self._loss_weight = None, 0.0
         now = time.perf_counter()
 
         if state is None:
@@ -250,10 +265,13 @@ class AccumulationMonitor(Callback):
             }
             interval_samples, interval_items = self._interval_samples, self._interval_items
 
-        backend = self._backend if self._backend is not None else backend_for(trainer.strategy.root_device)
+        if self._backend is None:  # a Trainer that skipped `setup`; read the capacity once all the same
+            self._backend = backend_for(trainer.strategy.root_device)
+            self._capacity_bytes = self._backend.capacity_bytes()
+        backend = self._backend
         reserved = backend.peak_reserved_bytes()
         local_memory = torch.tensor(
-            [backend.peak_bytes(), -1 if reserved is None else reserved, backend.capacity_bytes()], dtype=torch.int64
+            [backend.peak_bytes(), -1 if reserved is None else reserved, self._capacity_bytes], dtype=torch.int64
         )
         peak, peak_reserved, capacity = max_across_ranks(trainer, local_memory).tolist()
         backend.reset_peak()

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.items import resolve_counter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -75,15 +76,13 @@ class AccumulationScheduler(Callback):
         schedule: int | Mapping[int, int] | AccumulationSchedule | None = None,
         *,
         unit: ScheduleUnit = "epoch",
-        count_items: ItemCounter | None = None,
+        count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
         sync_every_micro_batch: bool = False,
     ) -> None:
         self.schedule = as_schedule(schedule, unit)
         self.unit: ScheduleUnit = unit
-        if count_items is not None and not callable(count_items):
-            raise TypeError(f"`count_items` must be a function of a batch, got {count_items!r}.")
-        self.count_items = count_items
+        self.count_items = resolve_counter(count_items)
         self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         self.sync_every_micro_batch = bool(sync_every_micro_batch)
         self.normalizer = WindowNormalizer(loss_reduction)

@@ -20,6 +20,7 @@ from lightning_accum import _compat
 from lightning_accum.distributed import all_reduce_gradients, any_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.oom import OOMInjector, is_oom_error, release_memory
+from lightning_accum.items import resolve_counter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -100,7 +101,7 @@ class AutoMicroBatching(Callback):
         *,
         max_memory: float | int | None = None,
         min_micro_batch_size: int = 1,
-        count_items: ItemCounter | None = None,
+        count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
         pin_micro_batch_size: bool = False,
         low_watermark: float = 0.7,
@@ -113,9 +114,7 @@ class AutoMicroBatching(Callback):
         self.max_memory = _check_max_memory(max_memory)
         if gradient_sync not in ("deferred", "overlap"):
             raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
-        if count_items is not None and not callable(count_items):
-            raise TypeError(f"`count_items` must be a function of a batch, got {count_items!r}.")
-        self.count_items = count_items
+        self.count_items = resolve_counter(count_items)
         self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         self.gradient_sync: GradientSync = gradient_sync
         self.fault_injector = fault_injector

@@ -1,0 +1,87 @@
+"""Train under a real address-space limit where the whole step batch cannot fit (run as a subprocess).
+
+Usage: python -m tests.scripts.real_oom OUT.pt HEADROOM_MIB [--no-limit] [--plain]
+
+``--plain`` trains without AutoMicroBatching (the unconstrained full-batch reference); ``--no-limit`` skips the
+limit. The final parameters and what the callback did are saved to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AutoMicroBatching
+
+STEP_BATCH = 2048
+WIDTH = 8192
+
+
+class Wide(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.sizes.append(len(x))
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize")
+
+
+def main() -> None:
+    out, headroom_mib = sys.argv[1], int(sys.argv[2])
+    plain = "--plain" in sys.argv
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(3 * STEP_BATCH, 64, generator=g), torch.randn(3 * STEP_BATCH, 1, generator=g))
+    model = Wide()
+    callback = None if plain else AutoMicroBatching("auto", max_memory=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback] if callback else [],
+    )
+    loader = DataLoader(data, batch_size=STEP_BATCH)
+    if "--no-limit" not in sys.argv:
+        # Warm up allocator and threads first, so the limit bites on activations rather than on start-up.
+        model.net(torch.randn(8, 64)).sum().backward()
+        model.zero_grad()
+        limit = vm_size() + headroom_mib * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    trainer.fit(model, loader)
+    torch.save(
+        {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "sizes": model.sizes,
+            "oom_retries": callback.accumulation_state.oom_retries if callback else 0,
+            "events": [(e.step, e.kind, e.before, e.after) for e in callback.accumulation_state.events]
+            if callback
+            else [],
+        },
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main()
