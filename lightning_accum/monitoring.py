@@ -152,7 +152,8 @@ def budget_fraction(max_memory: float | int | None, capacity_bytes: int) -> floa
     is a number of bytes.
 
     Example:
-        >>> budget_fraction(None, 8 * 1024**3), budget_fraction(0.8, 8 * 1024**3), budget_fraction(2 * 1024**3, 8 * 1024**3)
+        >>> capacity = 8 * 1024**3
+        >>> budget_fraction(None, capacity), budget_fraction(0.8, capacity), budget_fraction(2 * 1024**3, capacity)
         (1.0, 0.8, 0.25)
     """
     if max_memory is None:

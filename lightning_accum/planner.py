@@ -229,7 +229,7 @@ class MicroBatchPlanner:
                 reason = f"OOM at {size}, predicted {_gib(predicted)} <= budget {_gib(budget)}: model reset, halved"
             else:
                 fit = self.model.largest_fitting(budget, size - 1)
-                target = self.min_micro_batch_size if fit is None else fit
+                target = size // 2 if fit is None else fit
                 reason = f"OOM at {size}: largest predicted to fit the budget {_gib(budget)}"
         return self._change("oom_recovered", size, target, step, reason)
 
@@ -261,7 +261,7 @@ class MicroBatchPlanner:
             if self.predictive and budget is not None and self.model.fitted():
                 # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
                 fit = self.model.largest_fitting(self.low_watermark * budget, size - 1)
-                target = self.min_micro_batch_size if fit is None else fit
+                target = size // 2 if fit is None else fit
             else:
                 target = size // 2
             return self._change("shrink", size, target, step, "allocator retried on 2 consecutive steps")
@@ -313,7 +313,10 @@ class MicroBatchPlanner:
             return size // 2
         if self.model.fitted():
             fit = self.model.largest_fitting(budget, size - 1)
-            return self.min_micro_batch_size if fit is None else fit
+            # No size predicted to fit means the fixed part alone passes the budget. Jumping to the minimum would
+            # then cost most of the throughput for little memory (and on CPU the "fixed" part is often resident
+            # memory that freed tensors left behind): halve, as without a model; the minimum is a few steps away.
+            return size // 2 if fit is None else fit
         # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
         # than halving would.
         return min(size // 2, math.floor(size * budget / peak))

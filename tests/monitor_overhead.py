@@ -25,7 +25,9 @@ class _Model(pl.LightningModule):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        layers: list[nn.Module] = [nn.Linear(dim, 1)] if hidden == 0 else [nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)]
+        layers: list[nn.Module] = (
+            [nn.Linear(dim, 1)] if hidden == 0 else [nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)]
+        )
         self.net = nn.Sequential(*layers)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -46,23 +48,33 @@ class _Clock(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, i: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
         self.samples += len(batch[0])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.seconds = time.perf_counter() - self._start
 
 
-def _samples_per_sec(monitor: bool, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str) -> float:
+def _samples_per_sec(monitor: int, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str) -> float:
     clock = _Clock()
     callbacks: list[pl.Callback] = [AccumulationScheduler(k), clock]
     if monitor:
-        callbacks.append(AccumulationMonitor())
+        callbacks.append(AccumulationMonitor(logging_interval=monitor))
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, dim, generator=g), torch.randn(n, 1, generator=g))
     trainer = pl.Trainer(
-        default_root_dir=root, accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(_Model(dim, hidden), DataLoader(data, batch_size=batch_size))
     return clock.samples / clock.seconds
@@ -79,16 +91,19 @@ def main() -> None:
         "MLP (256->1024->1), b=64, k=4": {"dim": 256, "hidden": 1024, "n": 16384, "batch_size": 64, "k": 4},
     }
     for name, case in cases.items():
-        runs: dict[bool, list[float]] = {False: [], True: []}
+        # 0: no monitor; n: a monitor logging every n optimizer steps.
+        runs: dict[int, list[float]] = {0: [], 1: [], 10: []}
         for _ in range(args.repeats):
-            for monitor in (False, True):  # interleaved, so drift in machine load hits both alike
+            for monitor in runs:  # interleaved, so drift in machine load hits every variant alike
                 runs[monitor].append(_samples_per_sec(monitor, root=args.root, **case))
-        base, with_monitor = statistics.median(runs[False]), statistics.median(runs[True])
-        print(
-            f"{name}: no monitor {base:,.0f} samples/s, monitor {with_monitor:,.0f} samples/s,"
-            f" ratio {with_monitor / base:.3f} (median of {args.repeats};"
-            f" per-run ratios {[round(m / b, 3) for m, b in zip(runs[True], runs[False])]})"
-        )
+        base = statistics.median(runs[0])
+        print(f"{name}: no monitor {base:,.0f} samples/s (median of {args.repeats})")
+        for interval in (1, 10):
+            paired = [m / b for m, b in zip(runs[interval], runs[0], strict=True)]
+            print(
+                f"    monitor, logging_interval={interval}: {statistics.median(runs[interval]):,.0f} samples/s,"
+                f" ratio {statistics.median(runs[interval]) / base:.3f}; paired ratios {[round(r, 2) for r in paired]}"
+            )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_window_mode_logs_every_key_at_every_step_to_wandb_and_csv(tmp_path, wan
 
     steps = n // (b * k) * epochs
     assert trainer.global_step == steps
-    run = read_offline_run(tmp_path / "wandb")
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
     logged = wandb_steps(run)
     assert sorted(logged) == list(range(1, steps + 1))
     capacity = backend_for("cpu").capacity_bytes()
@@ -142,7 +142,7 @@ def test_plain_lightning_accumulation_is_counted_from_the_batches(tmp_path, wand
 
     windows = [3, 3, 3, 1] * 2
     assert trainer.global_step == len(windows)
-    logged = wandb_steps(read_offline_run(tmp_path / "wandb"))
+    logged = wandb_steps(read_offline_run(tmp_path / "wandb", wait_s=10))
     assert [logged[s][keys.ACCUMULATION_STEPS] for s in sorted(logged)] == windows
     assert [logged[s][keys.EFFECTIVE_BATCH_SIZE] for s in sorted(logged)] == [w * b for w in windows]
     assert [logged[s][keys.ITEMS_PER_STEP] for s in sorted(logged)] == [w * b for w in windows]
@@ -163,7 +163,13 @@ def test_window_loss_is_the_item_weighted_mean_over_uneven_micro_batches(tmp_pat
     model = RegressionModel()
     with torch.no_grad():
         expected = nn.functional.mse_loss(model.layer(dataset.x), dataset.y).item()
-        chunks = [(nn.functional.mse_loss(model.layer(dataset.x[i : i + b]), dataset.y[i : i + b]).item(), len(dataset.x[i : i + b])) for i in range(0, n, b)]
+        chunks = [
+            (
+                nn.functional.mse_loss(model.layer(dataset.x[i : i + b]), dataset.y[i : i + b]).item(),
+                len(dataset.x[i : i + b]),
+            )
+            for i in range(0, n, b)
+        ]
     mean_of_means = sum(loss for loss, _ in chunks) / len(chunks)
     assert abs(mean_of_means - expected) > 1e-3 * expected  # the case tells the right answer from the common wrong one
     assert expected == pytest.approx(sum(loss * m for loss, m in chunks) / n)
@@ -313,7 +319,11 @@ def test_fit_twice_and_state_dict_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     ("interval", "error", "match"),
-    [(0, ValueError, r"`logging_interval` must be >= 1.*got 0"), ("2", TypeError, r"`logging_interval` must be an int.*'2'"), (True, TypeError, "must be an int")],
+    [
+        (0, ValueError, r"`logging_interval` must be >= 1.*got 0"),
+        ("2", TypeError, r"`logging_interval` must be an int.*'2'"),
+        (True, TypeError, "must be an int"),
+    ],
 )
 def test_bad_logging_interval_raises_a_clear_error(interval, error, match):
     with pytest.raises(error, match=match):
@@ -354,3 +364,29 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
     # Rank 0 (the one that logs) never held the block: the logged peak is rank 1's.
     assert rows[2][keys.PEAK_GIB] - rows[1][keys.PEAK_GIB] > 0.8 * spike / GIB
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# split mode with the real AutoMicroBatching
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_split_mode_with_auto_micro_batching(tmp_path, loss_reduction):
+    from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
+
+    # Step batches of 10 cut into micro-batches of 4, 4 and 2: the window loss is the item-weighted mean over all 10.
+    n, step_batch, micro = 10, 10, 4
+    dataset = IndexedDataset(n)
+    model = RegressionModel() if loss_reduction == "mean" else SumLossModel()
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model.layer(dataset.x), dataset.y).item()
+    owner = AutoMicroBatching(micro, max_memory=0.5, loss_reduction=loss_reduction)
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [owner, AccumulationMonitor()], logger=csv_logger, max_epochs=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=step_batch))
+
+    row = read_csv(csv_logger.log_dir)[1]
+    assert EVERY_STEP_KEYS <= row.keys()
+    assert row[keys.WINDOW_LOSS] == pytest.approx(expected, rel=1e-5)
+    assert row[keys.EFFECTIVE_BATCH_SIZE] == n and row[keys.ITEMS_PER_STEP] == n
+    assert row[keys.MICRO_BATCH_SIZE] == micro and row[keys.ACCUMULATION_STEPS] == 3
+    assert row[BUDGET_FRACTION] == pytest.approx(0.5)
+    assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]

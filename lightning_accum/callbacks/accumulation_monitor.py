@@ -110,6 +110,7 @@ class AccumulationMonitor(Callback):
         self._interval_samples = 0.0
         self._interval_items = 0.0
         self._interval_start = time.perf_counter()
+        self._interval_peak = 0  # this rank's peak over the steps of the interval, where an owner resets the peak
         self._excluded_seconds = 0.0
         self._validation_start: float | None = None
 
@@ -125,8 +126,7 @@ class AccumulationMonitor(Callback):
         self._loss = self._loss.to(trainer.strategy.root_device)
         self._loss.reset()
 
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _setup_wandb(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
             from lightning_accum.integrations.wandb import define_metrics, record_config
 
@@ -151,6 +151,9 @@ class AccumulationMonitor(Callback):
         self._reset_fit_counters()
         self._last_step = trainer.global_step
         self._owner = _find_owner(trainer)
+        # Here, not at fit start: AutoMicroBatching resolves its memory budget (its settings) in its on_train_start,
+        # which runs before ours because the owner moves itself to the front of the callbacks.
+        self._setup_wandb(trainer)
         self._loss.reset()
         if self._backend is not None:
             self._backend.reset_peak()
@@ -196,6 +199,10 @@ class AccumulationMonitor(Callback):
         else:
             self._interval_samples += state.samples_per_step
             self._interval_items += state.items_per_step
+            if state.mode == "split" and self._backend is not None:
+                # AutoMicroBatching resets the (process-wide) peak at every step batch to plan the next one, so the
+                # interval's peak is the maximum of the per-step peaks, read before that reset.
+                self._interval_peak = max(self._interval_peak, self._backend.peak_bytes())
             if _provides_window_loss(state):
                 self._add_loss(state.window_loss_sum, state.window_items)  # type: ignore[attr-defined]
         if trainer.global_step % self.logging_interval == 0:
@@ -208,7 +215,9 @@ class AccumulationMonitor(Callback):
         n_items = count_items(batch, getattr(owner, "count_items", None))
         # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
         k = trainer.accumulate_grad_batches
-        if getattr(owner, "loss_reduction", "mean") == "sum":
+        split = owner is not None and owner.accumulation_state.mode == "split"
+        # Split mode hands Lightning the item-weighted mean of its micro-batches, whatever `loss_reduction` is.
+        if not split and getattr(owner, "loss_reduction", "mean") == "sum":
             self._add_loss(loss.detach() * k, n_items)
         elif isinstance(n_items, Tensor):
             self._add_loss(loss.detach() * k * n_items, n_items)
@@ -271,7 +280,12 @@ class AccumulationMonitor(Callback):
         backend = self._backend
         reserved = backend.peak_reserved_bytes()
         local_memory = torch.tensor(
-            [backend.peak_bytes(), -1 if reserved is None else reserved, self._capacity_bytes], dtype=torch.int64
+            [
+                max(self._interval_peak, backend.peak_bytes()),
+                -1 if reserved is None else reserved,
+                self._capacity_bytes,
+            ],
+            dtype=torch.int64,
         )
         peak, peak_reserved, capacity = max_across_ranks(trainer, local_memory).tolist()
         backend.reset_peak()
@@ -295,6 +309,7 @@ class AccumulationMonitor(Callback):
         _log_events(events)
 
         self._interval_local_samples = 0
+        self._interval_peak = 0
         self._interval_samples = self._interval_items = 0.0
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
@@ -327,7 +342,12 @@ def _provides_window_loss(state: AccumulationState | None) -> bool:
 
 
 def _budget_fraction(state: AccumulationState | None, capacity_bytes: int) -> float:
-    max_memory = state.settings.get("max_memory") if state is not None else None
+    # AutoMicroBatching records its budget resolved to bytes; `max_memory` (a fraction or bytes) is the user's form.
+    settings = state.settings if state is not None else {}
+    budget_bytes = settings.get("max_memory_bytes")
+    if isinstance(budget_bytes, (int, float)) and not isinstance(budget_bytes, bool):
+        return budget_fraction(int(budget_bytes), capacity_bytes)
+    max_memory = settings.get("max_memory")
     if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
         max_memory = None
     return budget_fraction(max_memory, capacity_bytes)

@@ -138,10 +138,10 @@ def write_report(
     if title:
         figure.suptitle(title, fontsize=13, fontweight="bold")
     subfigures = figure.subfigures(len(layout), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
-    for section, subfigure, n_rows in zip(layout, subfigures, rows_per_section):
+    for section, subfigure, n_rows in zip(layout, subfigures, rows_per_section, strict=True):
         subfigure.suptitle(section.name, fontsize=12, fontweight="bold", x=0.01, ha="left")
         axes = subfigure.subplots(n_rows, _COLUMNS, squeeze=False).ravel()
-        for ax, panel in zip(axes, section.panels):
+        for ax, panel in zip(axes, section.panels, strict=False):  # the last row may have spare axes
             _draw_panel(ax, panel, series)
         for ax in axes[len(section.panels) :]:
             ax.set_visible(False)
@@ -162,7 +162,7 @@ def _draw_panel(ax: Any, panel: Any, series: Series) -> None:
         points = series.get(key)
         if not points:
             continue
-        steps, values = zip(*points)
+        steps, values = zip(*points, strict=True)
         if panel.style == "points":
             ax.scatter(steps, values, s=28, label=key, zorder=3)
         elif key in _REFERENCE_KEYS:

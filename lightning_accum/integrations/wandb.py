@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from wandb_workspaces.workspaces import Workspace
 
 STEP_METRIC = "trainer/global_step"
-"""The x-axis: the key Lightning's ``WandbLogger.log_metrics`` adds to every row (``lightning/pytorch/loggers/wandb.py``,
-``log_metrics``), and the step metric it defines for ``"*"``. Our definitions use the same one."""
+"""The x-axis: the key Lightning's ``WandbLogger.log_metrics`` adds to every row
+(``lightning/pytorch/loggers/wandb.py``), and the step metric it defines for ``"*"``. Ours use the same one."""
 
 CONFIG_KEY = "lightning_accum"
 """The run-config entry that holds the accumulation settings."""
@@ -74,7 +75,9 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         "Memory",
         (
             PanelSpec("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)", _FROM_ZERO),
-            PanelSpec("Peak fraction vs budget", (keys.PEAK_FRACTION, BUDGET_FRACTION), "fraction of capacity", (0, 1.05)),
+            PanelSpec(
+                "Peak fraction vs budget", (keys.PEAK_FRACTION, BUDGET_FRACTION), "fraction of capacity", (0, 1.05)
+            ),
             # Apart from the peak: on a large host the capacity would flatten the peak's line to zero.
             PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", _FROM_ZERO),
         ),
@@ -194,8 +197,10 @@ class OfflineRun:
 
 
 def find_run_file(path: str | Path) -> Path:
-    """The ``run-*.wandb`` file of a run: ``path`` itself, the one in a run directory, or the latest run's in a
-    ``wandb/`` directory (or in a directory that holds ``wandb/``).
+    """The ``run-*.wandb`` file of a run at ``path``.
+
+    ``path`` is the file itself, a run directory, or a ``wandb/`` directory (or one that holds ``wandb/``), in which
+    case the latest run is taken.
 
     Raises:
         FileNotFoundError: nothing that looks like a W&B run is there.
@@ -271,21 +276,31 @@ def iter_records(path: str | Path) -> Iterator[bytes]:
             raise ValueError(f"{str(path)!r}: unexpected record type {kind} at byte {offset - length}.")
 
 
-def read_offline_run(path: str | Path) -> OfflineRun:
+def read_offline_run(path: str | Path, *, wait_s: float = 0.0) -> OfflineRun:
     """Read a W&B run's history, summary and config from its ``.wandb`` file, without W&B's services.
 
-    Read it after ``wandb.finish()`` (or ``wandb.teardown()``): the file is only complete then.
+    Read it after ``wandb.finish()``. Even then, wandb 0.31's writer may still be flushing the last records for a
+    moment (seen under load): ``wait_s`` re-reads until the run's exit record is there, or that many seconds pass.
 
     Args:
         path: a ``run-*.wandb`` file, an ``offline-run-*`` directory, or a ``wandb/`` directory (its latest run).
+        wait_s: how long to wait for the exit record of a run that was finished a moment ago.
 
     Raises:
         FileNotFoundError: see :func:`find_run_file`.
         ValueError: see :func:`iter_records`.
     """
+    deadline = time.monotonic() + wait_s
+    while True:
+        run = _read_once(find_run_file(path))
+        if run.exit_code is not None or time.monotonic() >= deadline:
+            return run
+        time.sleep(0.05)
+
+
+def _read_once(run_file: Path) -> OfflineRun:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    run_file = find_run_file(path)
     run = OfflineRun(path=run_file)
     for payload in iter_records(run_file):
         record = pb.Record()

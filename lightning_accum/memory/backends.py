@@ -12,11 +12,14 @@ What "peak" means differs by device, and the metric docs say so:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import resource
 import sys
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -258,6 +261,9 @@ class CPUBackend:
         return current
 
     def reset_peak(self) -> None:
+        # Freed tensors stay resident in glibc's heap, so without a trim the resident set never falls when the
+        # micro-batch shrinks and a planner would keep shrinking. The trim is the CPU's `empty_cache`.
+        _trim_heap()
         try:
             with open(os.path.join(self._proc_dir, "clear_refs"), "w") as f:
                 f.write("5")
@@ -295,6 +301,20 @@ class CPUBackend:
 
     def __repr__(self) -> str:
         return f"CPUBackend(capacity_bytes={self._capacity})"
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc (musl, macOS): nothing to trim
+
+
+def _trim_heap() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def backend_for(device: torch.device | str) -> MemoryBackend:

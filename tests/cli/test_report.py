@@ -12,7 +12,7 @@ from lightning_accum import AccumulationScheduler, keys
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
 from lightning_accum.cli.report import load_series
-from lightning_accum.integrations.wandb import layout_keys
+from lightning_accum.integrations.wandb import layout_keys, read_offline_run
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,11 +31,14 @@ def logged_run(tmp_path_factory):
         try:
             loggers = [WandbLogger(project="accum", save_dir=str(tmp_path)), CSVLogger(str(tmp_path), name="csv")]
             trainer = make_trainer(
-                tmp_path, [AccumulationScheduler({0: 1, 2: 2}, unit="step"), AccumulationMonitor()], logger=loggers,
+                tmp_path,
+                [AccumulationScheduler({0: 1, 2: 2}, unit="step"), AccumulationMonitor()],
+                logger=loggers,
                 max_epochs=2,
             )
             trainer.fit(RegressionModel(), DataLoader(IndexedDataset(40), batch_size=4))
             wandb.finish()
+            assert read_offline_run(tmp_path / "wandb", wait_s=10).exit_code == 0  # the file is complete
         finally:
             wandb.teardown()
     return tmp_path, Path(loggers[1].log_dir) / "metrics.csv"

@@ -74,14 +74,14 @@ def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
     for row in rows:
         run.log(row)
     wandb.finish()
-    return read_offline_run(tmp_path / "wandb"), rows, settings
+    return read_offline_run(tmp_path / "wandb", wait_s=10), rows, settings
 
 
 def test_reader_returns_history_summary_config_and_metric_definitions(tmp_path, wandb_offline):
     run, rows, settings = logged_run(tmp_path)
 
     assert len(run) == len(rows) and run.exit_code == 0 and run.project == "accum"
-    for got, want in zip(run.history, rows):
+    for got, want in zip(run.history, rows, strict=True):
         for key, value in want.items():
             if isinstance(value, float) and math.isnan(value):
                 assert math.isnan(got[key])
@@ -165,7 +165,7 @@ def test_reader_agrees_with_wandb_leet_inspect(tmp_path, wandb_offline):
     assert records.returncode == 0, records.stderr
     history = [json.loads(line)["history"] for line in records.stdout.splitlines() if '"type":"history"' in line]
     assert len(history) == len(run.history)
-    for theirs_row, ours in zip(history, run.history):
+    for theirs_row, ours in zip(history, run.history, strict=True):
         assert theirs_row["item"][STEP_METRIC] == ours[STEP_METRIC]
         if keys.PEAK_GIB in ours:
             assert theirs_row["item"][keys.PEAK_GIB] == ours[keys.PEAK_GIB]
