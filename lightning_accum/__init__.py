@@ -1,5 +1,7 @@
 """Exact, memory-aware, schedulable gradient accumulation for PyTorch Lightning."""
 
+from lightning_accum import _logging
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.callbacks.accumulation_scheduler import AccumulationScheduler
 from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.manual import ManualAccumulation
@@ -7,7 +9,10 @@ from lightning_accum.schedules import BatchSizeRamp, ConstantSchedule, Progress,
 
 __version__ = "0.1.0"
 
+_logging.configure()
+
 __all__ = [
+    "AccumulationMonitor",
     "AccumulationScheduler",
     "AutoMicroBatching",
     "BatchSizeRamp",

@@ -106,8 +106,11 @@ def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def is_last_training_batch(trainer: pl.Trainer) -> bool:
-    """Whether the batch being processed is the epoch's last, as Lightning's own step decision sees it
-    (``_TrainingEpochLoop._num_ready_batches_reached``: the last batch of the data, or of ``limit_train_batches``)."""
+    """Whether the batch being processed is the epoch's last, as Lightning's own step decision sees it.
+
+    That is ``_TrainingEpochLoop._num_ready_batches_reached``: the last batch of the data, or of
+    ``limit_train_batches``.
+    """
     epoch_loop = trainer.fit_loop.epoch_loop
     return bool(epoch_loop._num_ready_batches_reached())
 

@@ -1,5 +1,7 @@
-"""Small collectives over Lightning's strategy. Each is a no-op at world size 1, and every rank must call them in
-the same order."""
+"""Small collectives over Lightning's strategy.
+
+Each is a no-op at world size 1, and every rank must call them in the same order.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
 
 
 def any_across_ranks(trainer: pl.Trainer, flags: Tensor) -> Tensor:
-    """Element-wise maximum of small integer flags over all ranks: "did any rank ...?" (the flags themselves at
-    world size 1)."""
+    """Element-wise maximum of small integer flags over all ranks: "did any rank ...?".
+
+    At world size 1 the flags come back as they are.
+    """
     return max_across_ranks(trainer, flags)
 
 

@@ -13,6 +13,7 @@ PEAK_GIB = "memory/peak_gib"
 CAPACITY_GIB = "memory/capacity_gib"
 PEAK_FRACTION = "memory/peak_fraction"
 PEAK_RESERVED_GIB = "memory/peak_reserved_gib"  # CUDA only
+BUDGET_FRACTION = "memory/budget_fraction"  # the memory budget as a fraction of capacity: the line on the dashboard
 
 SAMPLES_PER_SEC = "perf/samples_per_sec"
 ITEMS_PER_SEC = "perf/items_per_sec"
@@ -24,7 +25,7 @@ EVENT_SHRINK = "events/micro_batch_shrunk"
 EVENT_GROW = "events/micro_batch_grown"
 
 BATCH_KEYS = (EFFECTIVE_BATCH_SIZE, MICRO_BATCH_SIZE, ACCUMULATION_STEPS, ITEMS_PER_STEP)
-MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB)
+MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_FRACTION)
 PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

@@ -88,8 +88,10 @@ class StepLogCombiner:
 
 def _combine(entries: list[tuple[Any, Any, dict[str, Any]]], reduce_fx: Any) -> Any:
     values = [value for value, _, _ in entries]
-    reduction = _REDUCTIONS.get(reduce_fx) if isinstance(reduce_fx, str) else _REDUCTIONS.get(
-        getattr(reduce_fx, "__name__", "")
+    reduction = (
+        _REDUCTIONS.get(reduce_fx)
+        if isinstance(reduce_fx, str)
+        else _REDUCTIONS.get(getattr(reduce_fx, "__name__", ""))
     )
     if len(values) == 1 or reduction is None or not all(isinstance(v, (Tensor, int, float)) for v in values):
         return values[-1]

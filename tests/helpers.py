@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 
 class IndexedDataset(Dataset):
@@ -55,7 +55,9 @@ class RegressionModel(pl.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        self.step_grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in self.named_parameters()})
+        self.step_grads.append(
+            {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.named_parameters()}
+        )
         self.step_indices.append(self._window_indices)
         self._window_indices = []
 
@@ -110,7 +112,9 @@ def grad_ratio(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> float:
 class TokenDataset(Dataset):
     """Sequences of ``seq_len`` tokens of which only the first ``lengths[i]`` carry a loss (the rest is padding)."""
 
-    def __init__(self, n: int = 32, seq_len: int = 8, dim: int = 5, seed: int = 0, lengths: Sequence[int] | None = None):
+    def __init__(
+        self, n: int = 32, seq_len: int = 8, dim: int = 5, seed: int = 0, lengths: Sequence[int] | None = None
+    ):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, seq_len, dim, generator=g)
         self.y = torch.randn(n, seq_len, generator=g)
@@ -187,6 +191,8 @@ def assert_grads_close(
     actual: Sequence[dict[str, Tensor]], expected: Sequence[dict[str, Tensor]], **tolerance: float
 ) -> None:
     assert len(actual) == len(expected), f"{len(actual)} optimizer steps, expected {len(expected)}"
-    for step, (a, e) in enumerate(zip(actual, expected)):
+    for step, (a, e) in enumerate(zip(actual, expected, strict=False)):
         for name in e:
-            torch.testing.assert_close(a[name], e[name], msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}", **tolerance)
+            torch.testing.assert_close(
+                a[name], e[name], msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}", **tolerance
+            )

@@ -118,7 +118,7 @@ def test_16_mixed_with_grad_scaler_is_exact(tmp_path):
 def test_schedule_change_mid_epoch_lands_on_the_next_window_boundary(tmp_path, caplog):
     # k=4 for the first optimizer step, then k=3: windows [0-3], [4-6], [7-9], [10-12], [13].
     with caplog.at_level(logging.INFO, logger="lightning_accum"):
-        model, initial, dataset, trainer = fit_regression(
+        model, initial, dataset, _trainer = fit_regression(
             tmp_path, [AccumulationScheduler({0: 4, 1: 3}, unit="step")], n=56
         )
     assert [len(i) // 4 for i in model.step_indices] == [4, 3, 3, 3, 1]
@@ -245,7 +245,7 @@ def test_manual_optimization_is_refused_with_a_pointer_to_the_helper(tmp_path):
             self.automatic_optimization = False
 
     trainer = make_trainer(tmp_path, [AccumulationScheduler(2)])
-    with pytest.raises(RuntimeError, match="use `lightning_accum.ManualAccumulation`"):
+    with pytest.raises(RuntimeError, match=r"use `lightning_accum\.ManualAccumulation`"):
         trainer.fit(Manual(), DataLoader(IndexedDataset(8), batch_size=4))
 
 

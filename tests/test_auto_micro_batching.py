@@ -106,7 +106,7 @@ def test_self_log_combines_micro_batches_into_one_item_weighted_value(tmp_path):
     dataset = TokenDataset(32)
     reference = SplitTokenModel(lr=0.05)
     expected = []
-    for indices, grads in zip(model.step_indices, expected_grads):
+    for indices, grads in zip(model.step_indices, expected_grads, strict=False):
         batch = {k: torch.stack([dataset[i][k] for i in indices]) for k in dataset[0]}
         with torch.no_grad():
             expected.append(float(token_loss(reference, batch)))

@@ -38,7 +38,7 @@ class CountAllReduces(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # No annotations: DDP checks them against real types, and this module uses postponed annotations.
-        def hook(state, bucket):  # noqa: ANN001, ANN202
+        def hook(state, bucket):
             self.allreduces += 1
             return default_hooks.allreduce_hook(None, bucket)
 
@@ -82,8 +82,10 @@ def test_window_mode_is_exact_across_ranks_with_one_allreduce_per_step(tmp_path)
     assert [r["allreduces"] for r in ranks] == [steps, steps]  # one bucket (a tiny model) per optimizer step
     # Same gradient on both ranks, equal to the token mean over the union of what both ranks saw.
     assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
-    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"])]
-    tokens = [[int(dataset.mask[i].sum()) for i in idx] for idx in (ranks[0]["step_indices"][0], ranks[1]["step_indices"][0])]
+    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=False)]
+    tokens = [
+        [int(dataset.mask[i].sum()) for i in idx] for idx in (ranks[0]["step_indices"][0], ranks[1]["step_indices"][0])
+    ]
     assert sum(tokens[0]) != sum(tokens[1]), "the ranks must hold different token counts for this test to bite"
     expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
     assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
@@ -129,6 +131,6 @@ def test_manual_optimization_helper_syncs_once_per_step_and_is_exact(tmp_path, u
     assert [len(r["step_grads"]) for r in ranks] == [4, 4]
     assert [r["allreduces"] for r in ranks] == [expected_allreduces] * 2
     if use_helper:
-        windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"])]
+        windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=False)]
         expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
         assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)

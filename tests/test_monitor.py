@@ -6,7 +6,6 @@ Real offline W&B runs are read back from disk with our own reader; CSVLogger see
 from __future__ import annotations
 
 import csv
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -242,10 +241,9 @@ class SplitModeOwner(pl.Callback):
         state.window_items = 6.0
 
 
-def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path, caplog):
+def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path):
     csv_logger = CSVLogger(str(tmp_path), name="csv")
-    with caplog.at_level(logging.INFO, logger="lightning_accum"):
-        fit(tmp_path, [SplitModeOwner(), AccumulationMonitor()], csv_logger, n=12, batch_size=4, max_epochs=1)
+    fit(tmp_path, [SplitModeOwner(), AccumulationMonitor()], csv_logger, n=12, batch_size=4, max_epochs=1)
 
     rows = read_csv(csv_logger.log_dir)
     assert sorted(rows) == [1, 2, 3]
@@ -259,7 +257,7 @@ def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path, c
         assert row[keys.ITEMS_PER_SEC] == pytest.approx(2 * row[keys.SAMPLES_PER_SEC])
     assert rows[2][keys.EVENT_OOM_RECOVERED] == 2
     assert keys.EVENT_OOM_RECOVERED not in rows[1] and keys.EVENT_OOM_RECOVERED not in rows[3]
-    assert "lightning_accum: micro-batch size after an OOM 4 -> 2 at step 1 (CUDA out of memory)" in caplog.messages
+    # The log line is the owner's to write (AutoMicroBatching logs each event as it happens), not the monitor's.
 
 
 # ----------------------------------------------------------------------------------------------------------------

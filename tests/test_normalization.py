@@ -45,7 +45,10 @@ def test_world_size_undoes_ddps_mean():
     averaged = (buffers[0][1].grad + buffers[1][1].grad) / 2
     w = buffers[0][1]
     w.grad = averaged.clone()
-    counts = [torch.tensor([3.0, 3.0, 1.0, 0.0], dtype=torch.float64), torch.tensor([5.0, 5.0, 1.0, 0.0], dtype=torch.float64)]
+    counts = [
+        torch.tensor([3.0, 3.0, 1.0, 0.0], dtype=torch.float64),
+        torch.tensor([5.0, 5.0, 1.0, 0.0], dtype=torch.float64),
+    ]
     buffers[0][0].finish_window([w], lambda t: counts[0] + counts[1], world_size=2)
     torch.testing.assert_close(w.grad, x.mean().reshape(1))
 

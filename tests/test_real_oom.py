@@ -18,7 +18,11 @@ def train(out: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "tests.scripts.real_oom", str(out), str(HEADROOM_MIB), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 

@@ -34,7 +34,14 @@ def test_ramp_follows_megatron_increments():
     # (128 - 32) / 32 = 3 increments over 300 samples: +32 every 100 samples.
     ramp = BatchSizeRamp(start=32, target=128, increment=32, ramp_samples=300)
     assert [ramp.global_batch_size(s) for s in (0, 99, 100, 199, 200, 299, 300, 10**6)] == [
-        32, 32, 64, 64, 96, 96, 128, 128,
+        32,
+        32,
+        64,
+        64,
+        96,
+        96,
+        128,
+        128,
     ]
 
 

@@ -32,7 +32,9 @@ class Wide(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(64, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH // 8), nn.GELU(), nn.Linear(WIDTH // 8, 1))
+        self.net = nn.Sequential(
+            nn.Linear(64, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH // 8), nn.GELU(), nn.Linear(WIDTH // 8, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -62,7 +64,9 @@ class Timer(pl.Callback):
 
 def run(micro_batch_size, budget: int, steps: int, predictive: bool = True) -> tuple[float, int, AutoMicroBatching]:
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(STEP_BATCH * steps, 64, generator=g), torch.randn(STEP_BATCH * steps, 1, generator=g))
+    data = TensorDataset(
+        torch.randn(STEP_BATCH * steps, 64, generator=g), torch.randn(STEP_BATCH * steps, 1, generator=g)
+    )
     callback = AutoMicroBatching(
         micro_batch_size,
         max_memory=budget,
@@ -72,8 +76,13 @@ def run(micro_batch_size, budget: int, steps: int, predictive: bool = True) -> t
     )
     timer = Timer(warmup=steps // 3)
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[callback, timer],
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, timer],
     )
     trainer.fit(Wide(), DataLoader(data, batch_size=STEP_BATCH))
     return timer.samples / timer.elapsed, timer.peak, callback

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -11,7 +10,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
@@ -19,9 +17,7 @@ from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.monitoring import StepFigures, WeightedMean, budget_fraction, event_metrics
 from lightning_accum.normalization import batch_size_of, count_items
-from lightning_accum.state import AccumulationEvent, AccumulationState, find_state
-
-log = logging.getLogger("lightning_accum")
+from lightning_accum.state import AccumulationState, find_state
 
 
 class AccumulationMonitor(Callback):
@@ -306,7 +302,6 @@ class AccumulationMonitor(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-        _log_events(events)
 
         self._interval_local_samples = 0
         self._interval_peak = 0
@@ -351,9 +346,3 @@ def _budget_fraction(state: AccumulationState | None, capacity_bytes: int) -> fl
     if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
         max_memory = None
     return budget_fraction(max_memory, capacity_bytes)
-
-
-@rank_zero_only
-def _log_events(events: list[AccumulationEvent]) -> None:
-    for event in events:
-        log.info(event.message())

@@ -18,9 +18,9 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum.distributed import all_reduce_gradients, any_across_ranks, sum_across_ranks_fn
+from lightning_accum.items import resolve_counter
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.oom import OOMInjector, is_oom_error, release_memory
-from lightning_accum.items import resolve_counter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -292,7 +292,9 @@ class AutoMicroBatching(Callback):
                         " must return its loss."
                     )
                 if self.fault_injector is not None:
-                    self.fault_injector.arm_backward(loss, rank=rank, step=step, micro_batch=index, micro_batch_size=size)
+                    self.fault_injector.arm_backward(
+                        loss, rank=rank, step=step, micro_batch=index, micro_batch_size=size
+                    )
                 if context.backward is not None:
                     context.backward(loss * weight)
             item_weight = n_items if self.loss_reduction == "mean" else 1
