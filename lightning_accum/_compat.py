@@ -34,7 +34,7 @@ _LIGHTNING_OK = compare_version("lightning", lambda a, b: a >= b, "2.2.0") and c
 def _check_version() -> None:
     if not _LIGHTNING_OK:
         raise RuntimeError(
-            f"lightning_accum's window mode supports lightning{SUPPORTED_LIGHTNING}, found {lightning.__version__}."
+            f"lightning_accum supports lightning{SUPPORTED_LIGHTNING}, found {lightning.__version__}."
             " Install a supported version, e.g. `pip install 'lightning>=2.2,<2.7'`."
         )
 

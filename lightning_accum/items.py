@@ -44,7 +44,7 @@ class CountTokens:
             ``batch[key]`` is not a tensor.
         KeyError: when called, the batch has nothing under ``key``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> count = CountTokens(key="labels")
         >>> count({"labels": torch.tensor([[5, 7, -100], [3, -100, -100]])})
@@ -89,7 +89,7 @@ class CountSamples:
 
     It exists so that a config can name the default explicitly, or a base class can override it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> CountSamples()({"input_ids": torch.zeros(4, 9), "labels": torch.zeros(4, 9)})
         4
@@ -120,7 +120,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
             not callable.
         ValueError: the import path is malformed or cannot be imported.
 
-    Example:
+    Examples:
         >>> resolve_counter("lightning_accum.items:CountSamples")
         CountSamples()
         >>> resolve_counter("lightning_accum.items.CountTokens")

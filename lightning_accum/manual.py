@@ -28,7 +28,7 @@ class ManualAccumulation:
     """Exact gradient accumulation for ``automatic_optimization = False``.
 
     Lightning refuses ``accumulate_grad_batches`` under manual optimization, and a hand-written loop all-reduces the
-    gradients at every micro-batch. Call :meth:`backward` instead of ``self.manual_backward``: it weights the loss so
+    gradients at every micro-batch. Call `backward` instead of ``self.manual_backward``: it weights the loss so
     that the window's gradient is the exact mean over all its items on all ranks, skips DDP's gradient sync on every
     micro-batch but the window's last, and returns ``True`` when the gradients are complete and the optimizer should
     step. The epoch's last batch always completes a window.
@@ -39,9 +39,9 @@ class ManualAccumulation:
         loss_reduction: whether the loss passed in is the ``"mean"`` or the ``"sum"`` over the micro-batch's items.
 
     Raises:
-        TypeError, ValueError: as for :class:`~lightning_accum.AccumulationScheduler`'s ``schedule``.
+        TypeError, ValueError: as for `lightning_accum.AccumulationScheduler`'s ``schedule``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lightning.pytorch import LightningModule
         >>> class Model(LightningModule):

@@ -1,7 +1,7 @@
-"""The arithmetic behind :class:`~lightning_accum.AccumulationMonitor`: unit conversion, rates and the metric row.
+"""The arithmetic behind `lightning_accum.AccumulationMonitor`: unit conversion, rates and the metric row.
 
 Pure: no Trainer, no logger. The callback gathers raw counts (samples, items, bytes, seconds) and this
-module turns them into the contract keys of :mod:`lightning_accum.keys`, so every figure can be checked by hand.
+module turns them into the contract keys of `lightning_accum.keys`, so every figure can be checked by hand.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ EVENT_KEY_BY_KIND: dict[EventKind, str] = {
     "shrink": keys.EVENT_SHRINK,
     "grow": keys.EVENT_GROW,
 }
-"""Which metric key records an :class:`~lightning_accum.state.AccumulationEvent` of each kind."""
+"""Which metric key records an `lightning_accum.state.AccumulationEvent` of each kind."""
 
 
 def to_gib(n_bytes: float) -> float:
     """Bytes to GiB (2**30 bytes).
 
-    Example:
+    Examples:
         >>> to_gib(3 * 1024**3)
         3.0
     """
@@ -45,7 +45,7 @@ def to_gib(n_bytes: float) -> float:
 def peak_fraction(peak_bytes: float, capacity_bytes: float) -> float:
     """The peak as a fraction of the device's capacity; ``nan`` when the capacity is unknown (0).
 
-    Example:
+    Examples:
         >>> peak_fraction(2 * 1024**3, 8 * 1024**3)
         0.25
     """
@@ -57,7 +57,7 @@ def peak_fraction(peak_bytes: float, capacity_bytes: float) -> float:
 def rate(count: float, seconds: float) -> float:
     """``count`` per second over an interval of ``seconds``; ``nan`` for an empty interval (nothing to divide by).
 
-    Example:
+    Examples:
         >>> rate(96, 0.5)
         192.0
     """
@@ -103,7 +103,7 @@ class StepFigures:
     def as_metrics(self) -> dict[str, float]:
         """The contract keys and their values.
 
-        Example:
+        Examples:
             >>> figures = StepFigures(
             ...     samples_per_step=32, micro_batch_size=4, accumulation_steps=4, items_per_step=32.0, oom_retries=0,
             ...     window_loss=0.5, peak_bytes=2 * 1024**3, capacity_bytes=8 * 1024**3, peak_reserved_bytes=None,
@@ -138,7 +138,7 @@ class StepFigures:
 def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
     """One metric per kind of event: the size after the change (the last one wins when a kind happened twice).
 
-    Example:
+    Examples:
         >>> event_metrics([AccumulationEvent("shrink", step=3, before=16, after=8)])
         {'events/micro_batch_shrunk': 8.0}
     """
@@ -151,7 +151,7 @@ def budget_fraction(max_memory: float | int | None, capacity_bytes: int) -> floa
     ``None`` means no budget (the capacity itself is the limit: 1.0); a float up to 1 is already a fraction; an int
     is a number of bytes.
 
-    Example:
+    Examples:
         >>> capacity = 8 * 1024**3
         >>> budget_fraction(None, capacity), budget_fraction(0.8, capacity), budget_fraction(2 * 1024**3, capacity)
         (1.0, 0.8, 0.25)
@@ -170,7 +170,7 @@ class WeightedMean(Metric):
     exists because ``torchmetrics.aggregation.MeanMetric(nan_strategy="disable")`` drops the weights (torchmetrics
     1.9 replaces them by ones when the NaN check is disabled), and the check itself would synchronize.
 
-    Example:
+    Examples:
         >>> mean = WeightedMean()
         >>> mean.update(torch.tensor(1.0), torch.tensor(4.0))
         >>> mean.update(torch.tensor(4.0), torch.tensor(2.0))

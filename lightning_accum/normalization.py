@@ -16,7 +16,7 @@ optimizer step:
 ``r`` is only a scale that keeps gradient magnitudes near those of a plain mean loss (it matters for fp16 loss
 scaling). It must be the same on every rank, so it is derived from the previous window's *global* count.
 
-This module needs no Trainer; :class:`WindowNormalizer` is shared by window mode, split mode and the manual helper.
+This module needs no Trainer; `WindowNormalizer` is shared by window mode, split mode and the manual helper.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def check_loss_reduction(loss_reduction: Any) -> LossReduction:
 def batch_size_of(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its first tensor, or the length of a sequence.
 
-    Example:
+    Examples:
         >>> batch_size_of({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
         3
         >>> batch_size_of([torch.zeros(5, 2), torch.zeros(5)])
@@ -86,7 +86,7 @@ def count_items(batch: Any, counter: ItemCounter | None) -> int | Tensor:
 
     A tensor count stays a tensor so that counting never waits for the device; its sign is checked at the step.
 
-    Example:
+    Examples:
         >>> labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
         >>> count_items({"labels": labels}, lambda b: (b["labels"] != -100).sum())
         tensor(3)
@@ -128,7 +128,7 @@ class WindowNormalizer:
     Args:
         loss_reduction: whether the loss of a micro-batch is the ``"mean"`` or the ``"sum"`` over its items.
 
-    Example:
+    Examples:
         Two micro-batches of uneven size whose *mean* losses are accumulated give the gradient of the mean over all
         five samples, not the mean of the two means:
 

@@ -1,7 +1,7 @@
 """Choosing the micro-batch size in split mode: shrink before memory runs out, recover from OOMs, grow back.
 
 Pure: no Trainer, no device. The split-mode callback measures, agrees the measurements across ranks (so that every
-rank feeds the same numbers), and asks :class:`MicroBatchPlanner` for the next size; every answer is a deterministic
+rank feeds the same numbers), and asks `MicroBatchPlanner` for the next size; every answer is a deterministic
 function of those inputs, so all ranks reach the same decision without another collective.
 
 The dataloader yields a per-device step batch of ``B`` samples; the planner picks ``b <= B`` and the step runs
@@ -13,7 +13,7 @@ How sizes are chosen:
   evens out the chunks: ``b = ceil(B / k) <= b_fit``. This never adds a pass and lowers the peak: ``B = 100`` with
   ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not required; a prime
   ``B`` would otherwise force ``b = 1``.
-* **Predict, don't probe.** Each step's peak is fed to a :class:`~lightning_accum.memory.model.LinearPeakModel`.
+* **Predict, don't probe.** Each step's peak is fed to a `lightning_accum.memory.model.LinearPeakModel`.
   Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
   measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
   less than proportionally. When a measurement is far off the model (a new phase of training: longer sequences),
@@ -86,7 +86,7 @@ class MicroBatchPlanner:
     Args:
         micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's answer when it is
             already fitted, e.g. after a probe); an int starts there.
-        min_micro_batch_size: never go below this; an OOM at this size raises :class:`MicroBatchOOMError`.
+        min_micro_batch_size: never go below this; an OOM at this size raises `MicroBatchOOMError`.
         budget_bytes: the peak memory to stay under. ``None`` disables the budget-driven decisions (shrinking on
             an over-budget peak, growing back, predicting), leaving OOM recovery and allocator-retry shrinking.
         low_watermark: the fraction of the budget the peak must stay below for the planner to grow.
@@ -101,7 +101,7 @@ class MicroBatchPlanner:
         TypeError: an argument has the wrong type.
         ValueError: an argument is out of range, or ``pinned=True`` with ``micro_batch_size="auto"``.
 
-    Example:
+    Examples:
         A 64-sample step batch on a device whose peak is ``1 GiB + 0.1 GiB * b``, with a 3 GiB budget:
 
         >>> GiB = 2**30
@@ -178,7 +178,7 @@ class MicroBatchPlanner:
 
     @property
     def micro_batch_size(self) -> int | None:
-        """The size for the last step batch size seen, or ``None`` before :meth:`size_for` was called."""
+        """The size for the last step batch size seen, or ``None`` before `size_for` was called."""
         if self._limit is None:
             return None
         return self._balanced(self._limit, self._step_batch_size)
@@ -393,7 +393,7 @@ class MicroBatchPlanner:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; missing keys keep their defaults so older checkpoints still load."""
+        """Restore from `state_dict`; missing keys keep their defaults so older checkpoints still load."""
         limit = state.get("limit")
         self._limit = None if limit is None else int(limit)
         step_batch_size = state.get("step_batch_size")
@@ -418,7 +418,7 @@ class MicroBatchPlanner:
 
 @dataclass
 class SimulationResult:
-    """What :func:`simulate` saw: the size each step ran with, the steps that hit an OOM, the planner's events."""
+    """What `simulate` saw: the size each step ran with, the steps that hit an OOM, the planner's events."""
 
     sizes: list[int] = field(default_factory=list)
     oom_steps: list[int] = field(default_factory=list)
@@ -442,7 +442,7 @@ class SimulationResult:
 
     @property
     def ooms_to_settle(self) -> int:
-        """OOMs up to and including :attr:`settled_at`."""
+        """OOMs up to and including `settled_at`."""
         return sum(1 for s in self.oom_steps if s <= self.settled_at)
 
 
@@ -460,7 +460,7 @@ def simulate(
     Each step asks for a size, retries it with the planner's answer while it would run out of memory (as split mode
     does), then reports the peak. Steps are numbered from ``first_step``, e.g. to continue after a resume.
 
-    Example:
+    Examples:
         Peak ``2 + 0.25 b`` GiB on a 16 GiB device with a 14.4 GiB budget and a 256-sample step batch:
 
         >>> GiB = 2**30

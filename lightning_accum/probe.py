@@ -9,7 +9,7 @@ The answer depends on the baseline (see "The memory question" in the design brie
 - the micro-batch size, not ``k``, sets the activation memory.
 
 The probe runs a few real training steps per configuration and measures the peak of live tensor storage with
-:class:`~lightning_accum.memory.tracker.MemoryTracker`. It drives the module with a plain loop (``training_step``,
+`lightning_accum.memory.tracker.MemoryTracker`. It drives the module with a plain loop (``training_step``,
 ``backward``, ``optimizer.step``, ``zero_grad``) instead of a ``Trainer``: a Trainer would add its own allocations
 (loggers, progress tracking, checkpoint state), could not stop between the phases we label, and would take seconds to
 start for every configuration. The loop does what Lightning's automatic optimization does for one optimizer: the loss
@@ -52,7 +52,7 @@ def import_object(path: str, argument: str = "path") -> Any:
         ValueError: if ``path`` names no module and attribute.
         ImportError: if the module or attribute does not exist.
 
-    Example:
+    Examples:
         >>> import_object("collections:OrderedDict").__name__
         'OrderedDict'
     """
@@ -251,16 +251,16 @@ class ProbeMeasurement:
 
 @dataclass
 class ProbeResult:
-    """What :func:`probe_memory` measured, the fitted ``peak(b)`` line and the answers to the memory question.
+    """What `probe_memory` measured, the fitted ``peak(b)`` line and the answers to the memory question.
 
     Attributes:
         batch_size: the full batch ``B``.
         device: where the probe ran.
-        measurements: one :class:`ProbeMeasurement` per configuration, in the order they ran.
+        measurements: one `ProbeMeasurement` per configuration, in the order they ran.
         parameter_bytes: bytes of parameters and buffers.
         gradient_bytes: bytes of one gradient copy (the trainable parameters).
         accumulation_steps: the ``k`` compared, each with ``(B/k, k)`` against ``(B, 1)`` and ``(B/k, 1)``.
-        peak_model: :class:`~lightning_accum.memory.model.LinearPeakModel` fitted on every accumulating
+        peak_model: `lightning_accum.memory.model.LinearPeakModel` fitted on every accumulating
             configuration (``k >= 2``), the case the micro-batch planner meets.
         holdout_error: mean relative error of a fit on part of the sizes, on the held-out sizes (``None`` when
             fewer than three sizes were measured).
@@ -406,7 +406,7 @@ class ProbeResult:
         return lines
 
     def table(self) -> str:
-        """The measurements as a fixed-width text table (MiB), followed by :meth:`findings`."""
+        """The measurements as a fixed-width text table (MiB), followed by `findings`."""
         cuda = any(m.device_peak_bytes is not None for m in self.measurements)
         headers = ["b", "k", "b*k", "peak", "params", "grads", "optim", "activ.", "peak phase", "fit pred."]
         if cuda:
@@ -664,7 +664,7 @@ def probe_memory(
     ``B/2, B/4, B/8, B/16``), then any extra ``grid`` points. Every configuration starts from a fresh copy of the
     model, runs ``warmup_steps`` steps (the first creates optimizer state), then ``steps`` measured steps. The peak
     is the maximum of live tensor storage over the measured steps (see
-    :class:`~lightning_accum.memory.tracker.MemoryTracker`); on CUDA ``torch.cuda.max_memory_allocated`` is
+    `lightning_accum.memory.tracker.MemoryTracker`); on CUDA ``torch.cuda.max_memory_allocated`` is
     reported as well.
 
     The fit uses the accumulating configurations (``k >= 2``), where the gradient buffer is alive during the forward
@@ -691,14 +691,14 @@ def probe_memory(
         seed: the seed set before building each model.
 
     Returns:
-        a :class:`ProbeResult`.
+        a `ProbeResult`.
 
     Raises:
         TypeError: if an argument has the wrong type, or the module lacks ``training_step``.
         ValueError: if ``k`` does not divide ``B``, a size is below 1, or the module returns no loss.
         RuntimeError: if the module uses manual optimization.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> class Tiny(pl.LightningModule):
         ...     def __init__(self):

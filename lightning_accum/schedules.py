@@ -53,12 +53,12 @@ class AccumulationSchedule(Protocol):
         ...
 
 
-def _check_k(value: Any, name: str) -> int:
+def _check_k(value: Any, name: str, hint: str = " Use 1 to disable accumulation.") -> int:
     # bool is an int subclass; `True` as k is always a mistake.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int >= 1, got {value!r} of type {type(value).__name__}.")
     if value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}. Use 1 to disable accumulation.")
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.{hint}")
     return value
 
 
@@ -71,7 +71,7 @@ def _check_unit(unit: Any) -> ScheduleUnit:
 class ConstantSchedule:
     """The same ``k`` for the whole run.
 
-    Example:
+    Examples:
         >>> ConstantSchedule(4).accumulation_steps(Progress(epoch=3))
         4
     """
@@ -100,7 +100,7 @@ class StepwiseSchedule:
         TypeError: a key or a value is not an int, or ``milestones`` is not a mapping.
         ValueError: a key is negative, the keys are not in increasing order, a value is < 1, or ``unit`` is unknown.
 
-    Example:
+    Examples:
         >>> schedule = StepwiseSchedule({0: 1, 100: 2, 200: 4}, unit="step")
         >>> [schedule.accumulation_steps(Progress(optimizer_steps=s)) for s in (0, 99, 100, 250)]
         [1, 1, 2, 4]
@@ -165,7 +165,7 @@ class BatchSizeRamp:
         ValueError: a size is < 1, ``target < start``, ``target - start`` is not a multiple of ``increment``,
             ``ramp_samples < 0``, or ``rounding`` is unknown.
 
-    Example:
+    Examples:
         >>> ramp = BatchSizeRamp(start=32, target=128, increment=32, ramp_samples=3000)
         >>> ramp.global_batch_size(0), ramp.global_batch_size(1000), ramp.global_batch_size(5000)
         (32, 64, 128)
@@ -179,7 +179,7 @@ class BatchSizeRamp:
         self, start: int, target: int, increment: int, ramp_samples: int, rounding: Rounding = "error"
     ) -> None:
         for name, value in (("start", start), ("target", target), ("increment", increment)):
-            _check_k(value, name)
+            _check_k(value, name, hint=" It counts samples in a global batch.")
         if isinstance(ramp_samples, bool) or not isinstance(ramp_samples, int):
             raise TypeError(f"`ramp_samples` must be an int, got {ramp_samples!r}.")
         if ramp_samples < 0:
@@ -220,7 +220,7 @@ class BatchSizeRamp:
 def k_for_global_batch(global_batch: int, samples_per_micro_step: int, rounding: Rounding = "error") -> int:
     """Accumulation steps that make ``global_batch`` from micro-steps of ``samples_per_micro_step`` samples.
 
-    Example:
+    Examples:
         >>> k_for_global_batch(96, 16), k_for_global_batch(100, 16, "floor"), k_for_global_batch(100, 16, "ceil")
         (6, 6, 7)
     """
@@ -245,7 +245,7 @@ def k_for_global_batch(global_batch: int, samples_per_micro_step: int, rounding:
 def as_schedule(schedule: Any, unit: ScheduleUnit = "epoch") -> AccumulationSchedule | None:
     """Turn what a user passes as ``schedule`` into a schedule object (``None`` stays ``None``).
 
-    Example:
+    Examples:
         >>> as_schedule(2)
         ConstantSchedule(2)
         >>> as_schedule({0: 1, 3: 4}, unit="step")

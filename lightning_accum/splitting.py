@@ -1,7 +1,7 @@
 """Cutting a per-device step batch into micro-batches along the sample dimension (dim 0). Pure: no Trainer.
 
 What is cut and what is shared, for a batch of ``B`` samples (``B`` comes from
-:func:`~lightning_accum.normalization.batch_size_of`):
+`lightning_accum.normalization.batch_size_of`):
 
 ========================================================  ==============================================
 element                                                   in each micro-batch
@@ -46,7 +46,7 @@ def num_micro_batches(step_batch_size: int, micro_batch_size: int) -> int:
         TypeError: if an argument is not an int.
         ValueError: if ``step_batch_size < 0`` or ``micro_batch_size < 1``.
 
-    Example:
+    Examples:
         >>> num_micro_batches(10, 4), num_micro_batches(8, 4), num_micro_batches(3, 8)
         (3, 2, 1)
     """
@@ -71,7 +71,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
         ValueError: if ``micro_batch_size < 1``, or a tensor's first dimension is not the batch size (the message
             names the element, e.g. ``batch['labels']``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> batch = {"x": torch.arange(10).view(5, 2), "y": torch.arange(5), "lr": 0.1, "text": list("abcde")}
         >>> chunks = split_batch(batch, 2)

@@ -1,7 +1,7 @@
-"""What the accumulation callbacks know about the current step, shared with :class:`AccumulationMonitor`.
+"""What the accumulation callbacks know about the current step, shared with `AccumulationMonitor`.
 
 A callback that owns accumulation (``AccumulationScheduler`` or ``AutoMicroBatching``) exposes one
-:class:`AccumulationState` as its ``accumulation_state`` attribute and updates it at every optimizer step. The
+`AccumulationState` as its ``accumulation_state`` attribute and updates it at every optimizer step. The
 monitor only reads it. Counts are global (summed over ranks) unless the field says otherwise.
 """
 
@@ -69,7 +69,7 @@ class AccumulationState:
 
 
 def find_state(callbacks: list[Any]) -> AccumulationState | None:
-    """The :class:`AccumulationState` of the first callback that owns accumulation, if any."""
+    """The `AccumulationState` of the first callback that owns accumulation, if any."""
     for callback in callbacks:
         state = getattr(callback, "accumulation_state", None)
         if isinstance(state, AccumulationState):

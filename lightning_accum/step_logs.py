@@ -31,7 +31,7 @@ _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min":
 class StepLogCombiner:
     """Captures ``module.log`` calls per micro-batch and replays one combined call per name.
 
-    Example:
+    Examples:
         >>> module = pl.LightningModule()
         >>> logged = {}
         >>> module.log = lambda name, value, **kw: logged.update({name: (float(value), kw["batch_size"])})

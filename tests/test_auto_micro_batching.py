@@ -143,7 +143,7 @@ def test_manual_optimization_is_refused(tmp_path):
         ({"max_memory": 1.5}, ValueError, r"must be in \(0, 1\], got 1.5"),
         ({"max_memory": 0.0}, ValueError, r"must be in \(0, 1\], got 0.0"),
         ({"max_memory": -5}, ValueError, r"in bytes must be >= 1, got -5"),
-        ({"max_memory": "8GB"}, TypeError, r"got '8GB' of type str"),
+        ({"max_memory": "8 bananas"}, ValueError, r"such as .8GiB. or .500MB., got .8 bananas."),
         ({"micro_batch_size": 0}, ValueError, r"micro_batch_size"),
         ({"gradient_sync": "eager"}, ValueError, r"'deferred' or 'overlap', got 'eager'"),
     ],
@@ -225,3 +225,17 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
     # Settled (after the first shrink, outside the ballast's first step): the peak stays under the budget.
     settled = [p for step, p in enumerate(peaks) if step >= 2 and step not in (6, 7)]
     assert max(settled) <= budget, [round((p - budget) / 2**20) for p in peaks]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0.5, 0.5), (8 * 2**30, 8 * 2**30), (8.0 * 2**30, 8 * 2**30), ("8GiB", 8 * 2**30), ("500 MB", 500 * 10**6)],
+)
+def test_max_memory_accepts_fractions_bytes_and_sizes(value, expected):
+    # LightningCLI hands a YAML int such as 8589934592 over as a float; a whole number of bytes is still bytes.
+    assert AutoMicroBatching(max_memory=value).max_memory == expected
+
+
+def test_pinning_auto_names_the_users_argument():
+    with pytest.raises(ValueError, match=r"`pin_micro_batch_size=True` needs an int `micro_batch_size`"):
+        AutoMicroBatching(pin_micro_batch_size=True)

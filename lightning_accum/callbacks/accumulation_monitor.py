@@ -66,7 +66,7 @@ class AccumulationMonitor(Callback):
         TypeError: ``logging_interval`` is not an int.
         ValueError: ``logging_interval < 1``.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> from lightning_accum import AccumulationScheduler
         >>> monitor = AccumulationMonitor(logging_interval=10)
@@ -324,7 +324,7 @@ class AccumulationMonitor(Callback):
 
 
 def _find_owner(trainer: pl.Trainer) -> Any | None:
-    """The callback that owns accumulation (it exposes an :class:`AccumulationState`), if any."""
+    """The callback that owns accumulation (it exposes an `AccumulationState`), if any."""
     for callback in trainer.callbacks:
         if isinstance(getattr(callback, "accumulation_state", None), AccumulationState):
             return callback

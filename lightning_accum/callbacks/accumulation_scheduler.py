@@ -44,7 +44,7 @@ class AccumulationScheduler(Callback):
 
     Args:
         schedule: ``k`` as an int; a ``{key: k}`` mapping whose keys ``unit`` reads; a schedule object with an
-            ``accumulation_steps(progress)`` method (e.g. :class:`~lightning_accum.schedules.BatchSizeRamp`); or
+            ``accumulation_steps(progress)`` method (e.g. `lightning_accum.schedules.BatchSizeRamp`); or
             ``None`` to adopt ``Trainer(accumulate_grad_batches)``.
         unit: what mapping keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (consumed samples,
             all ranks).
@@ -59,13 +59,13 @@ class AccumulationScheduler(Callback):
         TypeError: ``schedule`` or one of its keys or values has the wrong type.
         ValueError: ``k < 1``, schedule keys negative or not increasing, an unknown ``unit`` or ``loss_reduction``,
             or ``schedule`` given together with ``Trainer(accumulate_grad_batches > 1)``.
-        RuntimeError: manual optimization (use :class:`~lightning_accum.ManualAccumulation`), a strategy that
+        RuntimeError: manual optimization (use `lightning_accum.ManualAccumulation`), a strategy that
             accumulates by itself (DeepSpeed), or Lightning's ``GradientAccumulationScheduler`` in the same Trainer.
 
     A window whose micro-batches hold no items at all (everything masked) has no mean: its optimizer step is skipped
     (every gradient is set to ``None``, so the optimizer leaves the parameters and their state alone).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> scheduler = AccumulationScheduler({0: 2, 100: 4}, unit="step")
         >>> trainer = Trainer(callbacks=[scheduler], logger=False, enable_progress_bar=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -46,7 +47,7 @@ class AutoMicroBatching(Callback):
     The dataloader yields each device's whole step batch. For every optimizer step, the batch is split into
     micro-batches of size ``b``; the unchanged ``training_step`` runs once per micro-batch (with the step's
     ``batch_idx``) and the gradients are combined into the exact mean over all items of the step on all ranks, as in
-    :class:`~lightning_accum.AccumulationScheduler`. ``b`` adapts to memory, so ``k = ceil(B / b)`` does too, while
+    `lightning_accum.AccumulationScheduler`. ``b`` adapts to memory, so ``k = ceil(B / b)`` does too, while
     the effective batch size stays the dataloader's.
 
     * **OOM recovery.** An out-of-memory error in any micro-batch's forward or backward discards the attempt's
@@ -62,14 +63,14 @@ class AutoMicroBatching(Callback):
       in DDP's all-reduce. ``"overlap"`` lets DDP overlap the all-reduce with the last micro-batch's backward; it is
       faster but an OOM *inside that last backward* on one rank is not recoverable.
 
-    ``self.log`` calls in ``training_step`` are combined into one value per step (see :mod:`lightning_accum.step_logs`).
+    ``self.log`` calls in ``training_step`` are combined into one value per step (see `lightning_accum.step_logs`).
     ``training_step`` outputs other than the loss are those of the last micro-batch.
 
     Args:
         micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's prediction); an
             int starts there and still shrinks on OOM.
-        max_memory: the peak-memory budget: a fraction of the device's capacity in (0, 1] or a number of bytes.
-            ``None`` means 0.9 of capacity.
+        max_memory: the peak-memory budget: a fraction of the device's capacity in (0, 1], a number of bytes, or a
+            size such as ``"8GiB"``. ``None`` means 0.9 of capacity.
         min_micro_batch_size: never split finer than this; an OOM at this size raises an error with the memory
             figures.
         count_items: counts the items of a micro-batch (default: its samples).
@@ -90,7 +91,7 @@ class AutoMicroBatching(Callback):
         RuntimeError: manual optimization, a strategy other than single-device or DDP (DeepSpeed, FSDP), or
             another accumulation callback in the same Trainer.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[AutoMicroBatching(max_memory=0.8)], logger=False, enable_progress_bar=False)
     """
@@ -99,7 +100,7 @@ class AutoMicroBatching(Callback):
         self,
         micro_batch_size: int | Literal["auto"] = "auto",
         *,
-        max_memory: float | int | None = None,
+        max_memory: float | int | str | None = None,
         min_micro_batch_size: int = 1,
         count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
@@ -112,6 +113,13 @@ class AutoMicroBatching(Callback):
         fault_injector: OOMInjector | None = None,
     ) -> None:
         self.max_memory = _check_max_memory(max_memory)
+        if pin_micro_batch_size and micro_batch_size == "auto":
+            raise ValueError(
+                '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
+                " `micro_batch_size=8`, or leave the size unpinned."
+            )
+        if not isinstance(pin_micro_batch_size, bool):
+            raise TypeError(f"`pin_micro_batch_size` must be a bool, got {pin_micro_batch_size!r}.")
         if gradient_sync not in ("deferred", "overlap"):
             raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
         self.count_items = resolve_counter(count_items)
@@ -376,19 +384,41 @@ class AutoMicroBatching(Callback):
         self.accumulation_state.oom_retries = int(state_dict.get("oom_retries", 0))
 
 
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
 def _check_max_memory(max_memory: Any) -> float | int:
+    """A fraction of capacity (a float in (0, 1]) or bytes (an int, an integral float > 1, or a string like '8GiB')."""
     if max_memory is None:
         return 0.9
+    if isinstance(max_memory, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", max_memory, flags=re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"`max_memory` as a string must be a size such as '8GiB' or '500MB', got {max_memory!r}.")
+        max_memory = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
         raise TypeError(
-            f"`max_memory` must be a fraction of device memory (a float in (0, 1]) or a number of bytes (an int),"
-            f" got {max_memory!r} of type {type(max_memory).__name__}."
+            f"`max_memory` must be a fraction of device memory (a float in (0, 1]), a number of bytes (an int) or a"
+            f" size such as '8GiB', got {max_memory!r} of type {type(max_memory).__name__}."
         )
+    if isinstance(max_memory, float) and max_memory > 1 and max_memory.is_integer():
+        # YAML and LightningCLI turn large ints into floats; a whole number of bytes is still meant.
+        max_memory = int(max_memory)
     if isinstance(max_memory, float):
         if not 0.0 < max_memory <= 1.0:
             raise ValueError(
                 f"`max_memory` as a fraction of device memory must be in (0, 1], got {max_memory}. For a number of"
-                " bytes pass an int, e.g. `max_memory=8 * 2**30` for 8 GiB."
+                " bytes pass an int or a size, e.g. `max_memory=8 * 2**30` or `max_memory='8GiB'`."
             )
         return max_memory
     if max_memory < 1:

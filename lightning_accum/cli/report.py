@@ -1,6 +1,6 @@
 """``lightning-accum report RUN``: the dashboard's panels as one PNG, from a W&B offline run or a CSVLogger file.
 
-The panels are :data:`lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
+The panels are `lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
 a run looks the same with or without W&B.
 """
 
@@ -62,12 +62,19 @@ def run(args: argparse.Namespace) -> int:
         series = load_series(args.run)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"error: {err}") from err
+    except ModuleNotFoundError as err:
+        raise SystemExit(f"error: reading a W&B run needs {err.name!r}: pip install 'lightning-accum[wandb]'.") from err
     if not any(series.get(key) for key in layout_keys()):
         raise SystemExit(
             f"error: {args.run!r} holds none of the lightning_accum metrics ({keys.EFFECTIVE_BATCH_SIZE}, ...)."
             " Was `AccumulationMonitor` among the Trainer's callbacks?"
         )
-    output = write_report(series, args.output, title=args.title or str(args.run))
+    try:
+        output = write_report(series, args.output, title=args.title or str(args.run))
+    except ModuleNotFoundError as err:
+        raise SystemExit(
+            f"error: `lightning-accum report` needs {err.name!r}: pip install 'lightning-accum[report]'."
+        ) from err
     print(f"wrote {output}")
     return 0
 

@@ -1,10 +1,10 @@
 """W&B integration: metric definitions, run config, the ready-made workspace, and a reader for offline runs.
 
 ``wandb`` and ``wandb_workspaces`` are imported inside the functions that need them (the ``wandb`` extra), so that
-:data:`PANEL_LAYOUT` and the offline reader's file format code stay importable without them.
+`PANEL_LAYOUT` and the offline reader's file format code stay importable without them.
 
-Two entry points never touch the network: :func:`spec_to_json` (the dashboard as JSON) and :func:`read_offline_run`
-(a run's ``.wandb`` transaction log read back from disk). Only :func:`save_dashboard` uploads.
+Two entry points never touch the network: `spec_to_json` (the dashboard as JSON) and `read_offline_run`
+(a run's ``.wandb`` transaction log read back from disk). Only `save_dashboard` uploads.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PanelSpec:
-    """One line plot: a title, the keys it draws against :data:`STEP_METRIC`, and how to draw them."""
+    """One line plot: a title, the keys it draws against `STEP_METRIC`, and how to draw them."""
 
     title: str
     keys: tuple[str, ...]
@@ -97,7 +97,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
 )
-"""The dashboard: sections Batch, Memory, Recovery and Throughput, drawn against :data:`STEP_METRIC`."""
+"""The dashboard: sections Batch, Memory, Recovery and Throughput, drawn against `STEP_METRIC`."""
 
 
 def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]:
@@ -109,7 +109,7 @@ def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]
 # a live run: metric definitions and config
 # ------------------------------------------------------------------------------------------------------------------
 def define_metrics(run: Any) -> None:
-    """Define every contract key on ``run`` against :data:`STEP_METRIC`, with max summaries for memory peaks.
+    """Define every contract key on ``run`` against `STEP_METRIC`, with max summaries for memory peaks.
 
     Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
     take precedence over the glob.
@@ -123,7 +123,7 @@ def define_metrics(run: Any) -> None:
 
 
 def record_config(run: Any, settings: Mapping[str, Any]) -> None:
-    """Put the accumulation ``settings`` into ``run``'s config under :data:`CONFIG_KEY`.
+    """Put the accumulation ``settings`` into ``run``'s config under `CONFIG_KEY`.
 
     ``allow_val_change`` because a second ``fit`` (or a resumed run) may record different settings.
     """
@@ -160,7 +160,7 @@ _ZERO, _FULL, _FIRST, _MIDDLE, _LAST = 0, 1, 2, 3, 4
 class OfflineRun:
     """A W&B run read back from its ``.wandb`` file.
 
-    Iterating over it, ``len`` and indexing go over :attr:`history`, so it can be used as the list of history rows.
+    Iterating over it, ``len`` and indexing go over `history`, so it can be used as the list of history rows.
 
     Attributes:
         path: the ``run-*.wandb`` file.
@@ -192,7 +192,7 @@ class OfflineRun:
         return self.history[index]
 
     def column(self, key: str) -> list[tuple[Any, Any]]:
-        """``(step, value)`` for every history row that holds ``key``, the step being :data:`STEP_METRIC`."""
+        """``(step, value)`` for every history row that holds ``key``, the step being `STEP_METRIC`."""
         return [(row.get(STEP_METRIC), row[key]) for row in self.history if key in row]
 
 
@@ -287,8 +287,8 @@ def read_offline_run(path: str | Path, *, wait_s: float = 0.0) -> OfflineRun:
         wait_s: how long to wait for the exit record of a run that was finished a moment ago.
 
     Raises:
-        FileNotFoundError: see :func:`find_run_file`.
-        ValueError: see :func:`iter_records`.
+        FileNotFoundError: see `find_run_file`.
+        ValueError: see `iter_records`.
     """
     deadline = time.monotonic() + wait_s
     while True:
@@ -370,9 +370,9 @@ def dashboard_spec(
     name: str = "lightning_accum",
     layout: Sequence[SectionSpec] = PANEL_LAYOUT,
 ) -> Workspace:
-    """The ready-made W&B workspace for ``entity/project``: one section per :class:`SectionSpec` of ``layout``.
+    """The ready-made W&B workspace for ``entity/project``: one section per `SectionSpec` of ``layout``.
 
-    Building it touches no network; :func:`save_dashboard` uploads it.
+    Building it touches no network; `save_dashboard` uploads it.
     """
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
@@ -417,12 +417,12 @@ def spec_to_dict(workspace: Workspace) -> dict[str, Any]:
 
 
 def spec_to_json(workspace: Workspace, *, indent: int | None = 2) -> str:
-    """:func:`spec_to_dict` as a JSON string, without any network access."""
+    """`spec_to_dict` as a JSON string, without any network access."""
     return json.dumps(spec_to_dict(workspace), indent=indent)
 
 
 def spec_metric_keys(spec: Mapping[str, Any]) -> set[str]:
-    """The metric keys the panels of a spec (from :func:`spec_to_dict`) draw on their y-axes."""
+    """The metric keys the panels of a spec (from `spec_to_dict`) draw on their y-axes."""
     found: set[str] = set()
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
     for section in sections:

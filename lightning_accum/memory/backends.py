@@ -1,6 +1,6 @@
 """How much memory a device has and how much a step used: one small backend per device type.
 
-Every backend answers the same six questions (:class:`MemoryBackend`) so that the planner and the monitor never
+Every backend answers the same six questions (`MemoryBackend`) so that the planner and the monitor never
 branch on the device. Nothing here synchronizes a device beyond what the underlying ``torch.<device>`` call does.
 
 What "peak" means differs by device, and the metric docs say so:
@@ -39,11 +39,11 @@ class MemoryBackend(Protocol):
     name: str
 
     def reset_peak(self) -> None:
-        """Start a new peak measurement: :meth:`peak_bytes` then reports the peak since this call."""
+        """Start a new peak measurement: `peak_bytes` then reports the peak since this call."""
         ...
 
     def peak_bytes(self) -> int:
-        """The peak memory in use since the last :meth:`reset_peak` (or since the process started)."""
+        """The peak memory in use since the last `reset_peak` (or since the process started)."""
         ...
 
     def peak_reserved_bytes(self) -> int | None:
@@ -157,7 +157,7 @@ class MPSBackend:
     """Memory of the Apple MPS device (best effort).
 
     ``torch.mps`` has no peak counter, so the peak is the largest current allocation seen by any call to this
-    backend since :meth:`reset_peak`; it undercounts short spikes between calls. Capacity is Metal's recommended
+    backend since `reset_peak`; it undercounts short spikes between calls. Capacity is Metal's recommended
     working set when torch exposes it, else the physical memory (MPS shares it with the CPU).
     """
 
@@ -210,7 +210,7 @@ class CPUBackend:
     Raises:
         ValueError: if ``capacity_bytes`` is not a positive int.
 
-    Example:
+    Examples:
         >>> backend = CPUBackend()
         >>> backend.reset_peak()
         >>> backend.peak_bytes() >= backend.current_bytes() > 0
@@ -323,7 +323,7 @@ def backend_for(device: torch.device | str) -> MemoryBackend:
     Raises:
         ValueError: if the device type has no backend (supported: cuda, cpu, mps, xpu).
 
-    Example:
+    Examples:
         >>> backend_for(torch.device("cpu")).name
         'cpu'
     """

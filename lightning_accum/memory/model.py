@@ -44,7 +44,7 @@ class LinearPeakModel:
     observations at the current size outweigh the few at other sizes.
 
     The fit is clamped so that ``per_sample_bytes >= 0``: memory that *falls* with more samples is measurement
-    noise, and a negative slope would make :meth:`largest_fitting` answer "any size fits". When the unclamped
+    noise, and a negative slope would make `largest_fitting` answer "any size fits". When the unclamped
     slope is negative, the model falls back to a flat line at the mean observed peak.
 
     Args:
@@ -54,7 +54,7 @@ class LinearPeakModel:
         TypeError: if ``max_sizes`` is not an int.
         ValueError: if ``max_sizes < 2``.
 
-    Example:
+    Examples:
         >>> model = LinearPeakModel()
         >>> model.observe(2, 1_000 + 2 * 100)
         >>> model.fitted()
@@ -173,7 +173,7 @@ class LinearPeakModel:
             RuntimeError: if the model is not fitted yet.
             ValueError: if ``observations`` is empty or holds a peak of 0 bytes.
 
-        Example:
+        Examples:
             >>> model = LinearPeakModel()
             >>> model.observe(1, 110.0); model.observe(3, 130.0)
             >>> model.relative_error({2: 100.0, 4: 140.0})
@@ -201,9 +201,9 @@ class LinearPeakModel:
         return {"version": _STATE_VERSION, "max_sizes": self.max_sizes, "peaks": peaks}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; missing keys keep their defaults so older checkpoints still load.
+        """Restore from `state_dict`; missing keys keep their defaults so older checkpoints still load.
 
-        Example:
+        Examples:
             >>> a = LinearPeakModel(); a.observe(1, 10.0); a.observe(2, 12.0)
             >>> b = LinearPeakModel(); b.load_state_dict(a.state_dict())
             >>> b.predict(3)

@@ -1,10 +1,10 @@
 """Out-of-memory errors: recognising them, cleaning up after them, and injecting them on purpose.
 
 Recovery (re-running a batch in smaller micro-batches) is only safe for errors that really are allocation failures,
-so :func:`is_oom_error` matches the exact messages PyTorch's allocators and libraries raise and nothing else: a
+so `is_oom_error` matches the exact messages PyTorch's allocators and libraries raise and nothing else: a
 shape error retried at half size would just fail again, more slowly, and hide the bug.
 
-:class:`OOMInjector` raises a realistic OOM at a chosen rank, optimizer step, micro-batch and phase, so that the
+`OOMInjector` raises a realistic OOM at a chosen rank, optimizer step, micro-batch and phase, so that the
 recovery path can be tested deterministically on any machine.
 """
 
@@ -43,7 +43,7 @@ def is_oom_error(exc: BaseException) -> bool:
     ``MemoryError``, and ``RuntimeError`` messages of the CUDA, ROCm, CPU, MPS and XPU allocators and of the
     cuBLAS and cuDNN workspace allocations. False for anything else.
 
-    Example:
+    Examples:
         >>> is_oom_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
         True
         >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)"))
@@ -105,7 +105,7 @@ def oom_error(flavor: OOMFlavor = "cpu", nbytes: int = 2 * 1024**3, detail: str 
     Raises:
         ValueError: if ``flavor`` is unknown.
 
-    Example:
+    Examples:
         >>> is_oom_error(oom_error("cuda")), is_oom_error(oom_error("cpu"))
         (True, True)
     """
@@ -134,7 +134,7 @@ class OOMFault:
         phase: ``"forward"`` (before the model runs) or ``"backward"`` (inside autograd).
         rank: the global rank that fails; ``None`` fails on every rank.
         when_size_above: only fail while the micro-batch size is larger than this, which imitates a real memory
-            limit; the caller must then pass ``micro_batch_size`` to :meth:`OOMInjector.check`.
+            limit; the caller must then pass ``micro_batch_size`` to `OOMInjector.check`.
         times: how often this fault fires before it is spent; ``None`` fires forever. A recovery re-runs the step
             from micro-batch 0, so ``times=1`` fails once and lets the retry through.
     """
@@ -156,20 +156,20 @@ class OOMFault:
 class OOMInjector:
     """Raises a realistic out-of-memory error at chosen (rank, step, micro-batch, phase) points.
 
-    The split-mode callback calls :meth:`check` before each forward pass, and :meth:`arm_backward` on the loss (or on
+    The split-mode callback calls `check` before each forward pass, and `arm_backward` on the loss (or on
     an intermediate activation, to fail half-way through autograd after some gradients were already accumulated).
     Firing is a deterministic function of the calls made, so a test can predict every retry.
 
     Args:
-        faults: one :class:`OOMFault` or several.
+        faults: one `OOMFault` or several.
         flavor: which allocator's error to imitate: ``"cpu"`` (a ``RuntimeError``) or ``"cuda"`` (a
             ``torch.OutOfMemoryError``).
 
     Raises:
-        TypeError: if a fault is not an :class:`OOMFault`.
+        TypeError: if a fault is not an `OOMFault`.
         ValueError: if ``flavor`` is unknown.
 
-    Example:
+    Examples:
         >>> injector = OOMInjector(OOMFault(step=3, micro_batch=1, phase="forward"))
         >>> injector.check(rank=0, step=3, micro_batch=0, phase="forward")  # not this one
         >>> try:

@@ -1,6 +1,6 @@
 """``MemoryTracker``: the measured peak of live tensor storage, by category (parameters, gradients, ...).
 
-Built on :class:`~torch.utils._python_dispatch.TorchDispatchMode`: every ATen op that runs while the tracker is
+Built on `torch.utils._python_dispatch.TorchDispatchMode`: every ATen op that runs while the tracker is
 active reports its outputs, and every storage seen for the first time is counted until Python's weak reference to
 it says it was freed. The same code works on CPU and CUDA, and on CPU it is the only measurement precise enough to
 compare configurations: the resident set (``VmHWM``) moves in allocator-sized steps and includes the interpreter.
@@ -37,7 +37,7 @@ class MemorySnapshot:
     Attributes:
         total_bytes: all live tensor storage the tracker knows of.
         by_category: bytes per category; the values sum to ``total_bytes``.
-        phase: the phase the tracker was in at that moment (see :meth:`MemoryTracker.phase`).
+        phase: the phase the tracker was in at that moment (see `MemoryTracker.phase`).
     """
 
     total_bytes: int
@@ -71,7 +71,7 @@ class MemoryTracker(TorchDispatchMode):
     A storage created by an op is counted as ``activations`` until it takes another role: the gradient autograd
     produces becomes ``param.grad`` without a copy, and is moved to ``gradients`` by a post-accumulate-grad hook.
     Optimizer state that a step creates lazily is moved to ``optimizer_state`` by a step post-hook, so during the
-    very first step it still shows as ``activations``. Measure after one warm-up step (then :meth:`reset_peak`) for
+    very first step it still shows as ``activations``. Measure after one warm-up step (then `reset_peak`) for
     a clean breakdown.
 
     Args:
@@ -82,7 +82,7 @@ class MemoryTracker(TorchDispatchMode):
     Raises:
         TypeError: if ``module`` is not an ``nn.Module`` or an optimizer is not a ``torch.optim.Optimizer``.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(256, 256)
         >>> opt = torch.optim.Adam(model.parameters())
         >>> weights = 4 * (256 * 256 + 256)  # float32 weight and bias
@@ -243,7 +243,7 @@ class MemoryTracker(TorchDispatchMode):
 
     @property
     def peak(self) -> MemorySnapshot:
-        """The largest total seen since the tracker started or since :meth:`reset_peak`, with its breakdown."""
+        """The largest total seen since the tracker started or since `reset_peak`, with its breakdown."""
         return self._peak
 
     def reset_peak(self) -> None:
