@@ -165,3 +165,47 @@ def test_fit_from_the_shipped_config_follows_the_ramp(tmp_path: Path) -> None:
     (tmp_path / "saved.yaml").write_text(yaml.safe_dump(saved))
     rebuilt = scheduler_of(build(tmp_path / "again", f"--config={tmp_path / 'saved.yaml'}"))
     assert repr(rebuilt.schedule) == repr(scheduler.schedule) and rebuilt.count_items == scheduler.count_items
+
+
+def test_split_auto_config_builds_auto_micro_batching_and_the_monitor(tmp_path: Path) -> None:
+    from lightning_accum import AccumulationMonitor, AutoMicroBatching
+
+    cli = build(tmp_path, f"--config={CONFIGS / 'split_auto.yaml'}")
+    (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationMonitor)]
+    assert splitter.max_memory == 0.8
+    assert splitter.planner.micro_batch_size_setting == "auto"
+    assert splitter.planner.grow_patience == 20
+    assert splitter.count_items == CountTokens()
+    assert monitor.logging_interval == 1
+    assert cli.datamodule.batch_size == 64
+
+
+def test_max_memory_in_bytes_survives_yaml(tmp_path: Path) -> None:
+    # jsonargparse hands YAML ints over as floats for a `float | int` hint; the callback must still read bytes.
+    from lightning_accum import AutoMicroBatching
+
+    budgets = []
+    for value in (8 * 2**30, "6GiB"):
+        config = tmp_path / "bytes.yaml"
+        callback = {"class_path": "lightning_accum.AutoMicroBatching", "init_args": {"max_memory": value}}
+        config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+        cli = build(tmp_path, f"--config={config}")
+        budgets += [cb.max_memory for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    assert budgets == [8 * 2**30, 6 * 2**30]
+
+
+def test_fit_from_the_split_config(tmp_path: Path) -> None:
+    from lightning_accum import AutoMicroBatching
+
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'split_auto.yaml'}",
+        *TINY,
+        "--data.batch_size=16",
+        "--trainer.max_steps=3",
+        subcommand="fit",
+    )
+    assert cli.trainer.global_step == 3
+    (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    assert splitter.accumulation_state.samples_per_step == 16

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -144,6 +144,7 @@ class AutoMicroBatching(Callback):
         self._backend: MemoryBackend | None = None
         self._size = 0  # micro-batch size of the current step
         self._retries_at_start = 0
+        self._warned_unreachable = False
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
         self._undo: list[Any] = []
@@ -356,6 +357,19 @@ class AutoMicroBatching(Callback):
         peak, retries = (int(v) for v in any_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
         self.planner.on_step(self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
         self._take_planner_events(trainer)
+        self._warn_if_budget_unreachable()
+
+    def _warn_if_budget_unreachable(self) -> None:
+        model, budget = self.planner.model, self.planner.budget_bytes
+        if self._warned_unreachable or budget is None or not model.fitted():
+            return
+        if model.largest_fitting(budget, 1) is None:
+            self._warned_unreachable = True
+            rank_zero_warn(
+                f"The memory budget ({budget / 2**30:.2f} GiB) is below what the run needs at any micro-batch size:"
+                f" about {(model.fixed_bytes or 0) / 2**30:.2f} GiB does not depend on the micro-batch. Shrinking cannot"
+                " meet it; raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state)."
+            )
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
         for event in self.planner.take_events():
