@@ -367,8 +367,8 @@ class AutoMicroBatching(Callback):
             self._warned_unreachable = True
             rank_zero_warn(
                 f"The memory budget ({budget / 2**30:.2f} GiB) is below what the run needs at any micro-batch size:"
-                f" about {(model.fixed_bytes or 0) / 2**30:.2f} GiB does not depend on the micro-batch. Shrinking cannot"
-                " meet it; raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state)."
+                f" about {(model.fixed_bytes or 0) / 2**30:.2f} GiB does not depend on the micro-batch. Shrinking"
+                " cannot meet it; raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state)."
             )
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
