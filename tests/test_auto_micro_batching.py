@@ -264,7 +264,7 @@ def test_bf16_mixed_on_cpu(tmp_path):
 def test_16_mixed_with_grad_scaler_and_an_oom(tmp_path):
     injector = OOMInjector(OOMFault(step=1, micro_batch=1, phase="backward"), flavor="cuda")
     callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
-    model, expected, trainer = fit_split(tmp_path, callback, accelerator="cuda", precision="16-mixed")
+    model, expected, _ = fit_split(tmp_path, callback, accelerator="cuda", precision="16-mixed")
     grads = [{n: g.cpu() for n, g in step.items()} for step in model.step_grads]
     assert callback.accumulation_state.oom_retries == 1
     assert_grads_close(grads, expected, rtol=1e-2, atol=1e-3)

@@ -134,3 +134,20 @@ def test_manual_optimization_helper_syncs_once_per_step_and_is_exact(tmp_path, u
         windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=False)]
         expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
         assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_every_micro_batch_trades_communication_for_memory_and_stays_exact(tmp_path):
+    # The FSDP memory choice, measured on DDP: every micro-batch is all-reduced (k per step), the result is the same.
+    dataset = TokenDataset(30)
+    model = TokenModel(lr=0.05)
+    initial = copy.deepcopy(model)
+    scheduler = AccumulationScheduler(3, count_items=count_tokens, sync_every_micro_batch=True)
+    trainer = ddp_trainer(tmp_path, [scheduler, CountAllReduces(str(tmp_path))], max_epochs=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=4))
+
+    ranks = load_ranks(tmp_path)
+    assert ranks[0]["optimizer_steps"] == 2  # windows of 3 and 1 micro-batches
+    assert [r["allreduces"] for r in ranks] == [4, 4]  # one per micro-batch
+    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
+    expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
+    assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
