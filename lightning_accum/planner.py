@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from lightning_accum._validation import check_int
 from lightning_accum.memory.model import LinearPeakModel
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
@@ -134,9 +135,9 @@ class MicroBatchPlanner:
         refit_tolerance: float = 0.25,
     ) -> None:
         if micro_batch_size != "auto":
-            _check_int(micro_batch_size, "micro_batch_size", 1, hint=' or "auto"')
+            check_int(micro_batch_size, "micro_batch_size", 1, hint=' or "auto"')
         self.micro_batch_size_setting: int | Literal["auto"] = micro_batch_size
-        self.min_micro_batch_size = _check_int(min_micro_batch_size, "min_micro_batch_size", 1)
+        self.min_micro_batch_size = check_int(min_micro_batch_size, "min_micro_batch_size", 1)
         if isinstance(micro_batch_size, int) and micro_batch_size < min_micro_batch_size:
             raise ValueError(
                 f"`micro_batch_size={micro_batch_size}` is below `min_micro_batch_size={min_micro_batch_size}`."
@@ -152,8 +153,8 @@ class MicroBatchPlanner:
                 " the micro-batch after the peak stayed under 70% of the budget."
             )
         self.low_watermark = low_watermark
-        self.grow_patience = _check_int(grow_patience, "grow_patience", 1)
-        self.oom_cooldown = _check_int(oom_cooldown, "oom_cooldown", 0)
+        self.grow_patience = check_int(grow_patience, "grow_patience", 1)
+        self.oom_cooldown = check_int(oom_cooldown, "oom_cooldown", 0)
         if not isinstance(predictive, bool):
             raise TypeError(f"`predictive` must be a bool, got {predictive!r}.")
         if not isinstance(pinned, bool):
@@ -190,7 +191,7 @@ class MicroBatchPlanner:
             TypeError: if ``step_batch_size`` is not an int.
             ValueError: if ``step_batch_size < 1``.
         """
-        self._step_batch_size = _check_int(step_batch_size, "step_batch_size", 1)
+        self._step_batch_size = check_int(step_batch_size, "step_batch_size", 1)
         if self._limit is None:
             self._limit = self._initial_limit(step_batch_size)
         return self._balanced(self._limit, step_batch_size)
@@ -214,8 +215,8 @@ class MicroBatchPlanner:
         Raises:
             MicroBatchOOMError: if ``size`` is already at ``min_micro_batch_size``.
         """
-        size = _check_int(size, "size", 1)
-        step = _check_int(step, "step", 0)
+        size = check_int(size, "size", 1)
+        step = check_int(step, "step", 0)
         if size <= self.min_micro_batch_size:
             raise self._fatal(size, step)
         target = size // 2
@@ -242,10 +243,10 @@ class MicroBatchPlanner:
             step: the optimizer step.
             alloc_retries_delta: allocator retries during the step (CUDA ``num_alloc_retries``), summed over ranks.
         """
-        size = _check_int(size, "size", 1)
-        step = _check_int(step, "step", 0)
+        size = check_int(size, "size", 1)
+        step = check_int(step, "step", 0)
         peak = _check_positive(peak_bytes, "peak_bytes", allow_zero=True)
-        retries = _check_int(alloc_retries_delta, "alloc_retries_delta", 0)
+        retries = check_int(alloc_retries_delta, "alloc_retries_delta", 0)
         if self._limit is None:
             self._limit = size
         self._observe(size, peak)
@@ -482,15 +483,6 @@ def simulate(
         result.sizes.append(size)
     result.events.extend(planner.take_events())
     return result
-
-
-def _check_int(value: Any, name: str, minimum: int, hint: str = "") -> int:
-    # bool is an int subclass; `True` as a size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= {minimum}{hint}, got {value!r} of type {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}{hint}, got {value!r}.")
-    return value
 
 
 def _check_positive(value: Any, name: str, allow_zero: bool = False) -> float:

@@ -33,6 +33,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
+from lightning_accum._validation import check_int
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.tracker import CATEGORIES, MemoryTracker
 
@@ -559,14 +560,6 @@ def _signed(value: float, positive: str, negative: str) -> str:
 # ---- the measurement -------------------------------------------------------------------------------------------------
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= {minimum}, got {value!r} of type {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
 def _measure(
     make_module: Callable[[], nn.Module],
     make_batch: Callable[[int, int], Any],
@@ -714,10 +707,10 @@ def probe_memory(
         >>> full.peak_bytes > acc.peak_bytes >= same.peak_bytes
         True
     """
-    batch_size = _check_int(batch_size, "batch_size", 1)
-    steps = _check_int(steps, "steps", 1)
-    warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
-    ks = sorted({_check_int(k, "accumulation_steps", 2) for k in accumulation_steps})
+    batch_size = check_int(batch_size, "batch_size", 1)
+    steps = check_int(steps, "steps", 1)
+    warmup_steps = check_int(warmup_steps, "warmup_steps", 0)
+    ks = sorted({check_int(k, "accumulation_steps", 2) for k in accumulation_steps})
     for k in ks:
         if batch_size % k:
             raise ValueError(
@@ -726,7 +719,7 @@ def probe_memory(
             )
     if fit_micro_batch_sizes is None:
         fit_micro_batch_sizes = sorted({batch_size // d for d in (2, 4, 8, 16) if batch_size // d >= 1})
-    fit_sizes_requested = [_check_int(b, "fit_micro_batch_sizes", 1) for b in fit_micro_batch_sizes]
+    fit_sizes_requested = [check_int(b, "fit_micro_batch_sizes", 1) for b in fit_micro_batch_sizes]
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"`device`={str(device)!r} but CUDA is not available here. Use `device='cpu'`.")
@@ -736,7 +729,7 @@ def probe_memory(
         configs += [(batch_size // k, k), (batch_size // k, 1)]
     configs += [(b, 2) for b in fit_sizes_requested]
     for b, k in grid:
-        configs.append((_check_int(b, "grid micro-batch size", 1), _check_int(k, "grid accumulation steps", 1)))
+        configs.append((check_int(b, "grid micro-batch size", 1), check_int(k, "grid accumulation steps", 1)))
     configs = list(dict.fromkeys(configs))  # drop repeats, keep order
 
     make_module = _module_factory(module, module_init_args)

@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_accum._validation import check_int
 from lightning_accum.normalization import batch_size_of
 
 
@@ -50,8 +51,8 @@ def num_micro_batches(step_batch_size: int, micro_batch_size: int) -> int:
         >>> num_micro_batches(10, 4), num_micro_batches(8, 4), num_micro_batches(3, 8)
         (3, 2, 1)
     """
-    _check_int(step_batch_size, "step_batch_size", minimum=0)
-    _check_int(micro_batch_size, "micro_batch_size", minimum=1)
+    check_int(step_batch_size, "step_batch_size", minimum=0)
+    check_int(micro_batch_size, "micro_batch_size", minimum=1)
     return math.ceil(step_batch_size / micro_batch_size)
 
 
@@ -78,21 +79,12 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
         >>> [c["y"].tolist() for c in chunks], [c["text"] for c in chunks], chunks[2]["lr"]
         ([[0, 1], [2, 3], [4]], [['a', 'b'], ['c', 'd'], ['e']], 0.1)
     """
-    _check_int(micro_batch_size, "micro_batch_size", minimum=1)
+    check_int(micro_batch_size, "micro_batch_size", minimum=1)
     size = batch_size_of(batch)
     return [
         _cut(batch, start, min(start + micro_batch_size, size), size, "batch")
         for start in range(0, size, micro_batch_size)
     ]
-
-
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    # bool is an int subclass; `True` as a size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= {minimum}, got {value!r} of type {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-    return value
 
 
 def _is_namedtuple(obj: Any) -> bool:

@@ -41,7 +41,9 @@ def worker(config: str, steps: int, out: str) -> None:
             super().__init__()
             torch.manual_seed(0)
             # ~17M parameters: the all-reduce is a visible part of a step, as it is for real models on real links.
-            self.net = nn.Sequential(nn.Linear(512, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 1))
+            self.net = nn.Sequential(
+                nn.Linear(512, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 1)
+            )
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -80,8 +82,15 @@ def worker(config: str, steps: int, out: str) -> None:
     elif config in ("overlap", "deferred"):
         callbacks.insert(0, AutoMicroBatching(MICRO, pin_micro_batch_size=True, gradient_sync=config))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(Model(), DataLoader(data, batch_size=batch))
 
@@ -102,8 +111,16 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _ in range(args.repeats):
         for config in configs:
-            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--steps", str(args.steps),
-                       "--out", out]
+            command = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                config,
+                "--steps",
+                str(args.steps),
+                "--out",
+                out,
+            ]
             subprocess.run(command, env=env, check=True, capture_output=True)
             with open(out) as f:
                 results[config].append(json.load(f)["samples_per_sec"])
