@@ -45,3 +45,48 @@ def test_real_oom_is_recovered_and_the_update_equals_the_full_batch_update(tmp_p
     assert settled < 2048, split["sizes"]
     for name, value in full["params"].items():
         torch.testing.assert_close(split["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA out-of-memory error needs a CUDA device")
+@pytest.mark.timeout(600)
+def test_real_cuda_oom_is_recovered_and_the_update_equals_the_full_batch_update(tmp_path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_accum import AutoMicroBatching
+    from tests.scripts.real_oom import Wide
+
+    step_batch = 16384  # one (16384 x 8192) fp32 activation is 512 MiB
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(2 * step_batch, 64, generator=g), torch.randn(2 * step_batch, 1, generator=g))
+
+    def fit(callbacks):
+        model = Wide()
+        trainer = pl.Trainer(
+            accelerator="cuda",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, DataLoader(data, batch_size=step_batch))
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.sizes
+
+    reference, _ = fit([])
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # The caching allocator refuses to reserve past this: about 1.5 GiB above what is in use now.
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 1.5 * 2**30) / total)
+    try:
+        callback = AutoMicroBatching("auto", max_memory=1.0)
+        params, sizes = fit([callback])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert callback.accumulation_state.oom_retries >= 1
+    assert sizes[-1] < step_batch
+    for name, value in reference.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5)
