@@ -185,3 +185,27 @@ def install_split_closure(trainer: pl.Trainer, run_step: Callable[[SplitStepCont
 def ddp_process_group(strategy: Any) -> Any:
     """The process group DDP reduces gradients over (the default group when the strategy doesn't say)."""
     return getattr(getattr(strategy, "model", None), "process_group", None)
+
+
+@contextlib.contextmanager
+def hook_context(module: pl.LightningModule, name: str) -> Iterator[None]:
+    """Run as if inside the hook ``name``, so ``self.log`` files what it logs under that hook.
+
+    ``LightningModule._current_fx_name`` is what ``trainer/call.py`` sets around every hook, without a
+    ``try/finally``: an exception inside a hook (an OOM in ``backward``) leaves it pointing at that hook.
+    """
+    previous = getattr(module, "_current_fx_name", None)
+    module._current_fx_name = name
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def current_hook_name(module: pl.LightningModule) -> str | None:
+    return getattr(module, "_current_fx_name", None)
+
+
+def restore_hook_name(module: pl.LightningModule, name: str | None) -> None:
+    """Undo what a hook that raised left behind (see :func:`hook_context`)."""
+    module._current_fx_name = name

@@ -95,10 +95,14 @@ def test_errors_that_are_not_oom_pass_through_untouched(tmp_path):
     assert callback.accumulation_state.oom_retries == 0
 
 
-def test_self_log_combines_micro_batches_into_one_item_weighted_value(tmp_path):
+@pytest.mark.parametrize("oom_phase", [None, "forward", "backward"])
+def test_self_log_combines_micro_batches_into_one_item_weighted_value(tmp_path, oom_phase):
+    # With an OOM in the first step, the failed attempt's logs are dropped and later steps still log.
+    injector = OOMInjector(OOMFault(step=0, micro_batch=1, phase=oom_phase)) if oom_phase else None
     logger = CSVLogger(tmp_path, name="logs")
-    callback = AutoMicroBatching(4, count_items=count_tokens)
+    callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
     model, expected_grads, _ = fit_split(tmp_path, callback, n=32, logger=logger, log_every_n_steps=1)
+    assert callback.accumulation_state.oom_retries == (1 if oom_phase else 0)
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     step_values = [float(r["train_loss_step"]) for r in rows if r.get("train_loss_step")]

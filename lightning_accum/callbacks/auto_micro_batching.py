@@ -229,12 +229,16 @@ class AutoMicroBatching(Callback):
         trainer = self._trainer
         assert trainer is not None
         step_batch_size = batch_size_of(context.batch)
+        module = trainer.lightning_module
+        hook_name = _compat.current_hook_name(module)
         while True:
             self._size = self.planner.size_for(step_batch_size)
             fault = _NO_FAULT
             try:
                 outcome = self._attempt(trainer, context, self._size)
             except Exception as err:  # classified below; anything that isn't an OOM is re-raised after agreement
+                # Lightning's hook bookkeeping doesn't unwind on exceptions; later `self.log` calls would be misfiled.
+                _compat.restore_hook_name(module, hook_name)
                 if not is_oom_error(err):
                     self._agree_on_fault(trainer, _OTHER_ERROR)
                     raise
@@ -264,7 +268,8 @@ class AutoMicroBatching(Callback):
             self.gradient_allreduces += all_reduce_gradients(params, _compat.ddp_process_group(trainer.strategy))
             self._grads_summed = True
         assert self._logs is not None
-        self._logs.replay(batch_size=step_batch_size)
+        with _compat.hook_context(module, "training_step"):  # where the user called `self.log`
+            self._logs.replay(batch_size=step_batch_size)
         return context.make_result(loss, extra)
 
     def _attempt(
