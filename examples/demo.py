@@ -114,12 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nW&B offline run: {run_dir}")
     print(f"CSV metrics:     {csv_logger.log_dir}/metrics.csv")
     print(f"report plot:     {report}")
+    wandb_cli, accum_cli = _command("wandb"), _command("lightning-accum")
     print("\nTo see it in W&B:")
-    print(f"  wandb sync {run_dir}")
-    print(f"  lightning-accum dashboard --entity YOUR_ENTITY --project {args.project}")
+    print(f"  {wandb_cli} sync {run_dir}")
+    print(f"  {accum_cli} dashboard --entity YOUR_ENTITY --project {args.project}")
     print("Or, offline, redraw the plot from the run:")
-    print(f"  lightning-accum report {run_dir} --output {report}")
+    print(f"  {accum_cli} report {run_dir} --output {report}")
     return 0
+
+
+def _command(name: str) -> str:
+    """``name`` if it is on PATH, else its full path in this environment (e.g. tox's, which isn't activated)."""
+    import shutil
+
+    if shutil.which(name):
+        return name
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
 
 
 def _cuda() -> bool:

@@ -362,18 +362,19 @@ class AutoMicroBatching(Callback):
         peak, retries = (int(v) for v in any_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
         self.planner.on_step(self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
         self._take_planner_events(trainer)
-        self._warn_if_budget_unreachable()
+        self._warn_if_budget_unreachable(peak)
 
-    def _warn_if_budget_unreachable(self) -> None:
-        model, budget = self.planner.model, self.planner.budget_bytes
-        if self._warned_unreachable or budget is None or not model.fitted():
+    def _warn_if_budget_unreachable(self, peak: int) -> None:
+        budget = self.planner.budget_bytes
+        if self._warned_unreachable or budget is None:
             return
-        if model.largest_fitting(budget, 1) is None:
+        if self._size <= self.planner.min_micro_batch_size and peak > budget:
             self._warned_unreachable = True
             rank_zero_warn(
-                f"The memory budget ({budget / 2**30:.2f} GiB) is below what the run needs at any micro-batch size:"
-                f" about {(model.fixed_bytes or 0) / 2**30:.2f} GiB does not depend on the micro-batch. Shrinking"
-                " cannot meet it; raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state)."
+                f"The step's peak memory ({peak / 2**30:.2f} GiB) is over the budget ({budget / 2**30:.2f} GiB) even"
+                f" at the smallest micro-batch size ({self._size}): most of the memory does not depend on the"
+                " micro-batch, so shrinking cannot meet the budget. Raise `max_memory`, or lower the fixed memory"
+                " (a smaller model or optimizer state, a sharded strategy)."
             )
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
