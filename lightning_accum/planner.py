@@ -21,8 +21,11 @@ How sizes are chosen:
 * **Plain halving** (``predictive=False``) halves on every OOM or over-budget step and doubles to grow back, like
   Composer, which never grows back at all.
 * **Hysteresis.** The planner shrinks as soon as the peak exceeds the budget (or the allocator had to retry on two
-  consecutive steps), but grows only after ``grow_patience`` consecutive steps under ``low_watermark * budget``,
-  and never to a size that failed (OOM, over budget, allocator retries) within the last ``oom_cooldown`` steps.
+  consecutive steps), but grows only after ``grow_patience`` consecutive steps under the low watermark, and never to
+  a size that failed (OOM, over budget, allocator retries) within the last ``oom_cooldown`` steps. The watermark is
+  ``low_watermark * budget`` until the model is fitted; then it applies to the part of the budget the micro-batch
+  can use, ``fixed + low_watermark * (budget - fixed)``, so a large fixed part (parameters and optimizer state, or a
+  process's resident set on CPU) does not stop the micro-batch from ever growing back.
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ class MicroBatchPlanner:
         min_micro_batch_size: never go below this; an OOM at this size raises `MicroBatchOOMError`.
         budget_bytes: the peak memory to stay under. ``None`` disables the budget-driven decisions (shrinking on
             an over-budget peak, growing back, predicting), leaving OOM recovery and allocator-retry shrinking.
-        low_watermark: the fraction of the budget the peak must stay below for the planner to grow.
+        low_watermark: the fraction of the budget the peak must stay below for the planner to grow; once the memory
+            model is fitted, the fraction of the budget left after the fixed memory.
         grow_patience: consecutive steps under the low watermark before growing.
         oom_cooldown: steps before a size that failed (or any larger one) may be tried again.
         predictive: use the linear memory model; ``False`` halves and doubles.
@@ -267,7 +271,7 @@ class MicroBatchPlanner:
                 target = size // 2
             return self._change("shrink", size, target, step, "allocator retried on 2 consecutive steps")
 
-        if budget is None or peak >= self.low_watermark * budget:
+        if budget is None or peak >= self._low_mark(budget):
             self._under = 0
             return self._current(size)
         self._under += 1
@@ -277,10 +281,16 @@ class MicroBatchPlanner:
         target = self._grow_target(size, peak, budget, step)
         if target is None or target <= self._limit:
             return self._current(size)
-        reason = f"peak {_gib(peak)} < {self.low_watermark:g} x budget {_gib(budget)} for {self.grow_patience} steps"
+        reason = f"peak {_gib(peak)} < low watermark {_gib(self._low_mark(budget))} for {self.grow_patience} steps"
         return self._change("grow", size, target, step, reason)
 
     # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _low_mark(self, budget: float) -> float:
+        fixed = self.model.fixed_bytes if self.model.fitted() else None
+        if fixed is None or not 0 <= fixed < budget:
+            return self.low_watermark * budget
+        return fixed + self.low_watermark * (budget - fixed)
 
     def _initial_limit(self, step_batch_size: int) -> int:
         if isinstance(self.micro_batch_size_setting, int):
