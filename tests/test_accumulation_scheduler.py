@@ -274,3 +274,10 @@ def test_deepspeed_like_strategy_is_refused(tmp_path):
             trainer.fit(RegressionModel(), DataLoader(IndexedDataset(8), batch_size=4))
     finally:
         del type(trainer.strategy).handles_gradient_accumulation
+
+
+def test_a_schedule_change_is_an_event_but_the_starting_k_is_not(tmp_path):
+    scheduler = AccumulationScheduler({0: 2, 2: 3}, unit="step")
+    fit_regression(tmp_path, [scheduler], n=40)
+    events = [(e.kind, e.step, e.before, e.after) for e in scheduler.accumulation_state.events]
+    assert events == [("schedule_change", 2, 2, 3)]

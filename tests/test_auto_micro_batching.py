@@ -205,9 +205,7 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
     per_sample = 8 * (1 << 16) * 4  # T x width floats of the activation, twice (the product and its mean input)
     budget = baseline + 40 * per_sample
     model = ActivationHeavyModel(ballast_steps=range(6, 14), ballast_bytes=20 * per_sample)
-    callback = AutoMicroBatching(
-        "auto", max_memory=budget, grow_patience=2, oom_cooldown=4, count_items=count_tokens
-    )
+    callback = AutoMicroBatching("auto", max_memory=budget, grow_patience=2, oom_cooldown=4, count_items=count_tokens)
     peaks: list[int] = []
     on_step = callback.planner.on_step
 

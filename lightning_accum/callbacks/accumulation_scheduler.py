@@ -90,6 +90,7 @@ class AccumulationScheduler(Callback):
 
         self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
         self._k = 1  # the current window's planned length
+        self._k_known = False  # False until the first window of a run: its k is the start, not a change
         self._position = 0  # index of the current micro-batch within its window
         self._new_window = True
         self._stepped = False
@@ -204,10 +205,11 @@ class AccumulationScheduler(Callback):
         k = self._active_schedule.accumulation_steps(progress)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
-        if k != self._k:
+        if k != self._k and self._k_known:
             event = AccumulationEvent("schedule_change", trainer.global_step, self._k, k, f"epoch {progress.epoch}")
             self.accumulation_state.events.append(event)
             _log_info(event.message())
+        self._k_known = True
         self._k = k
         trainer.accumulate_grad_batches = k
         self.normalizer.start_window(k)
@@ -252,6 +254,7 @@ class AccumulationScheduler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.accumulation_state.consumed_samples = int(state_dict.get("consumed_samples", 0))
         self._k = int(state_dict.get("accumulation_steps", 1))
+        self._k_known = "accumulation_steps" in state_dict
         self._micro_batch_size = int(state_dict.get("micro_batch_size", 0))
         self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
         self._new_window = True

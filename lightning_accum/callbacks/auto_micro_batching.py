@@ -145,6 +145,7 @@ class AutoMicroBatching(Callback):
         self._size = 0  # micro-batch size of the current step
         self._retries_at_start = 0
         self._warned_unreachable = False
+        self._size_changed = False
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
         self._undo: list[Any] = []
@@ -221,6 +222,11 @@ class AutoMicroBatching(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self._backend is not None
+        if self._size_changed:
+            # Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak
+            # measured at the new size; release it once, not every step (re-faulting pages costs throughput).
+            release_memory()
+            self._size_changed = False
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
 
@@ -360,7 +366,10 @@ class AutoMicroBatching(Callback):
             [self._backend.peak_bytes(), self._backend.alloc_retries() - self._retries_at_start], dtype=torch.int64
         )
         peak, retries = (int(v) for v in any_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
-        self.planner.on_step(self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
+        planned = self.planner.on_step(
+            self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
+        )
+        self._size_changed = planned != self._size
         self._take_planner_events(trainer)
         self._warn_if_budget_unreachable(peak)
 

@@ -195,7 +195,8 @@ class CPUBackend:
     """Peak resident set of this process, and the memory it may use: the CPU's view of "device memory".
 
     The peak is ``VmHWM`` from ``/proc/self/status``. Writing ``5`` to ``/proc/self/clear_refs`` resets it to the
-    current resident set (Linux >= 4.0). Where that write is refused (a read-only ``/proc``, another OS), the
+    current resident set (Linux >= 4.0). The resident set includes freed memory that the heap keeps for reuse; call
+    `trim_cpu_heap` (or `lightning_accum.memory.release_memory`) when the working set has shrunk. Where that write is refused (a read-only ``/proc``, another OS), the
     backend falls back to the largest resident set it sampled itself since the reset, which misses spikes between
     calls; ``exact_peak`` says which one is in use.
 
@@ -261,9 +262,6 @@ class CPUBackend:
         return current
 
     def reset_peak(self) -> None:
-        # Freed tensors stay resident in glibc's heap, so without a trim the resident set never falls when the
-        # micro-batch shrinks and a planner would keep shrinking. The trim is the CPU's `empty_cache`.
-        _trim_heap()
         try:
             with open(os.path.join(self._proc_dir, "clear_refs"), "w") as f:
                 f.write("5")
@@ -311,7 +309,12 @@ def _malloc_trim() -> Any:
         return None  # not glibc (musl, macOS): nothing to trim
 
 
-def _trim_heap() -> None:
+def trim_cpu_heap() -> None:
+    """Return freed heap pages to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Freed tensors stay resident in glibc's heap, so without a trim the resident set does not fall when the working
+    set shrinks, e.g. after a smaller micro-batch size was chosen.
+    """
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

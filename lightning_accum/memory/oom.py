@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_accum.memory.backends import trim_cpu_heap
+
 Phase = Literal["forward", "backward"]
 OOMFlavor = Literal["cpu", "cuda"]
 
@@ -81,9 +83,13 @@ def release_memory() -> None:
     """Free what an OOM left behind: unreachable Python objects, then the device caches that are initialised.
 
     Call it after dropping every reference to the failed step's tensors (the exception's traceback holds its
-    frames, so let the ``except`` block end first). It never initialises a device that isn't in use yet.
+    frames, so let the ``except`` block end first). It never initialises a device that isn't in use yet. On CPU it
+    returns freed heap pages to the OS, so the resident set measures the new working set; that is the CPU's
+    ``empty_cache`` and, like it, costs page faults afterwards, so call it when the working set changed, not every
+    step.
     """
     gc.collect()
+    trim_cpu_heap()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     xpu = getattr(torch, "xpu", None)
