@@ -195,10 +195,10 @@ class CPUBackend:
     """Peak resident set of this process, and the memory it may use: the CPU's view of "device memory".
 
     The peak is ``VmHWM`` from ``/proc/self/status``. Writing ``5`` to ``/proc/self/clear_refs`` resets it to the
-    current resident set (Linux >= 4.0). The resident set includes freed memory that the heap keeps for reuse; call
-    `trim_cpu_heap` (or `lightning_accum.memory.release_memory`) when the working set has shrunk. Where that write is refused (a read-only ``/proc``, another OS), the
+    current resident set (Linux >= 4.0). Where that write is refused (a read-only ``/proc``, another OS), the
     backend falls back to the largest resident set it sampled itself since the reset, which misses spikes between
-    calls; ``exact_peak`` says which one is in use.
+    calls; ``exact_peak`` says which one is in use. The resident set includes freed memory that the heap keeps for
+    reuse: call `trim_cpu_heap` (or `lightning_accum.memory.release_memory`) when the working set has shrunk.
 
     Capacity is the smallest of: the cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``,
     including those of parent cgroups), the soft ``RLIMIT_AS`` when one is set, and the physical memory.
