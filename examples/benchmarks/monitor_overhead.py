@@ -1,8 +1,10 @@
-"""Throughput with and without AccumulationMonitor, side by side in one process (not a test: it asserts nothing).
+"""Throughput with and without AccumulationMonitor, side by side in one process.
 
-Run: ``OMP_NUM_THREADS=1 python -m tests.monitor_overhead [--repeats 5]``. Prints, for a tiny model (the worst case:
-the monitor's fixed per-step cost against a step that costs almost nothing) and for a small MLP, the median
-samples/s of each variant and their ratio (monitor / no monitor; 1.0 means no overhead).
+    OMP_NUM_THREADS=1 python examples/benchmarks/monitor_overhead.py [--repeats 7]
+
+Prints, for a tiny model (the worst case: the monitor's fixed per-step cost against a step that costs almost
+nothing) and for a small MLP, the median samples/s of each variant and their ratio (monitor / no monitor; 1.0 means
+no overhead).
 """
 
 from __future__ import annotations
