@@ -76,7 +76,11 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         (
             PanelSpec("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)", _FROM_ZERO),
             PanelSpec(
-                "Peak fraction vs budget", (keys.PEAK_FRACTION, BUDGET_FRACTION), "fraction of capacity", (0, 1.05)
+                # From zero, not to 1: a budget of a few percent of capacity (CPU) must still be visible.
+                "Peak fraction vs budget",
+                (keys.PEAK_FRACTION, BUDGET_FRACTION),
+                "fraction of capacity",
+                _FROM_ZERO,
             ),
             # Apart from the peak: on a large host the capacity would flatten the peak's line to zero.
             PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", _FROM_ZERO),
