@@ -281,3 +281,20 @@ def test_a_schedule_change_is_an_event_but_the_starting_k_is_not(tmp_path):
     fit_regression(tmp_path, [scheduler], n=40)
     events = [(e.kind, e.step, e.before, e.after) for e in scheduler.accumulation_state.events]
     assert events == [("schedule_change", 2, 2, 3)]
+
+
+def test_a_skipped_micro_batch_counts_no_items(tmp_path):
+    # `training_step` may return None to skip a micro-batch: it must not dilute the window's mean.
+    class SkipsBatch3(RegressionModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                return None
+            return super().training_step(batch, batch_idx)
+
+    dataset = IndexedDataset(32)
+    model = SkipsBatch3()
+    initial = copy.deepcopy(model)
+    make_trainer(tmp_path, [AccumulationScheduler(4)]).fit(model, DataLoader(dataset, batch_size=4))
+    assert [len(i) for i in model.step_indices] == [12, 16]  # batch 3 (samples 12-15) was skipped
+    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
+    assert_grads_close(model.step_grads, expected, **FP32)

@@ -95,7 +95,7 @@ class AccumulationScheduler(Callback):
         self._new_window = True
         self._stepped = False
         self._micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-based schedules
-        self._pending_weight: float | Tensor = 1.0
+        self._pending_counts: tuple[int | Tensor, int] = (0, 0)
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._undo: list[Callable[[], None]] = []
 
@@ -185,8 +185,8 @@ class AccumulationScheduler(Callback):
         else:
             self._position += 1
         self._stepped = False
-        n_items = count_items(batch, self.count_items)
-        self._pending_weight = self.normalizer.add_micro_batch(n_items, n_samples)
+        # Counted at backward time: a micro-batch whose `training_step` returns None has no backward and no items.
+        self._pending_counts = (count_items(batch, self.count_items), n_samples)
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
         self._new_window = False
@@ -216,8 +216,9 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        weight = self.normalizer.add_micro_batch(*self._pending_counts)
         # Lightning divided the loss by `trainer.accumulate_grad_batches`; replace that by the window weight.
-        multiplier = self._pending_weight * trainer.accumulate_grad_batches
+        multiplier = weight * trainer.accumulate_grad_batches
         if not (isinstance(multiplier, float) and multiplier == 1.0):
             loss.register_hook(lambda grad: grad * multiplier)
 
