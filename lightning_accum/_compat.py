@@ -90,11 +90,6 @@ def disable_backward_sync_blocking(strategy: Any) -> Callable[[], None]:
     return lambda: strategy.__dict__.pop("block_backward_sync", None)
 
 
-def precision_scaler(trainer: pl.Trainer) -> Any:
-    """The GradScaler of 16-mixed precision, or ``None``."""
-    return getattr(trainer.precision_plugin, "scaler", None)
-
-
 @contextlib.contextmanager
 def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
     old = getattr(obj, name)
@@ -188,24 +183,16 @@ def ddp_process_group(strategy: Any) -> Any:
 
 
 @contextlib.contextmanager
-def hook_context(module: pl.LightningModule, name: str) -> Iterator[None]:
-    """Run as if inside the hook ``name``, so ``self.log`` files what it logs under that hook.
+def hook_context(module: pl.LightningModule, name: str | None = None) -> Iterator[None]:
+    """Run as if inside the hook ``name`` (``None``: keep the current one), and restore it afterwards, also on error.
 
     ``LightningModule._current_fx_name`` is what ``trainer/call.py`` sets around every hook, without a
-    ``try/finally``: an exception inside a hook (an OOM in ``backward``) leaves it pointing at that hook.
+    ``try/finally``: an exception inside a hook (an OOM in ``backward``) leaves it pointing at that hook, and later
+    ``self.log`` calls would be filed under it.
     """
     previous = getattr(module, "_current_fx_name", None)
-    module._current_fx_name = name
+    module._current_fx_name = previous if name is None else name
     try:
         yield
     finally:
         module._current_fx_name = previous
-
-
-def current_hook_name(module: pl.LightningModule) -> str | None:
-    return getattr(module, "_current_fx_name", None)
-
-
-def restore_hook_name(module: pl.LightningModule, name: str | None) -> None:
-    """Undo what a hook that raised left behind (see :func:`hook_context`)."""
-    module._current_fx_name = name

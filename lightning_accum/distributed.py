@@ -33,14 +33,6 @@ def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
     return strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
 
 
-def any_across_ranks(trainer: pl.Trainer, flags: Tensor) -> Tensor:
-    """Element-wise maximum of small integer flags over all ranks: "did any rank ...?".
-
-    At world size 1 the flags come back as they are.
-    """
-    return max_across_ranks(trainer, flags)
-
-
 def all_reduce_gradients(
     parameters: list[Tensor], process_group: Any = None, bucket_bytes: int = 25 * 1024 * 1024
 ) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torch import Tensor
+
 EventKind = Literal["schedule_change", "oom_recovered", "shrink", "grow"]
 
 
@@ -49,6 +51,11 @@ class AccumulationState:
         world_size: number of data-parallel ranks.
         settings: the accumulation settings, for a run's config.
         events: events not yet taken by a monitor.
+        micro_batch_items: items in the current micro-batch on this rank, as the owner counted them (window mode),
+            so a monitor doesn't count them again.
+        window_loss_sum: the item-weighted loss summed over the last step's micro-batches on this rank (split mode,
+            where the micro-batches run inside one Lightning batch and only the owner sees their losses).
+        window_items: the items behind ``window_loss_sum``.
     """
 
     mode: Literal["window", "split"] = "window"
@@ -61,6 +68,9 @@ class AccumulationState:
     world_size: int = 1
     settings: dict[str, Any] = field(default_factory=dict)
     events: list[AccumulationEvent] = field(default_factory=list)
+    micro_batch_items: int | Tensor | None = None
+    window_loss_sum: Tensor | float | None = None
+    window_items: int | Tensor | None = None
 
     def take_events(self) -> list[AccumulationEvent]:
         """Return the pending events and forget them."""

@@ -200,7 +200,7 @@ class AccumulationMonitor(Callback):
                 # interval's peak is the maximum of the per-step peaks, read before that reset.
                 self._interval_peak = max(self._interval_peak, self._backend.peak_bytes())
             if _provides_window_loss(state):
-                self._add_loss(state.window_loss_sum, state.window_items)  # type: ignore[attr-defined]
+                self._add_loss(state.window_loss_sum, state.window_items)
         if trainer.global_step % self.logging_interval == 0:
             self._log(trainer, state)
 
@@ -208,12 +208,12 @@ class AccumulationMonitor(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, Tensor):
             return  # training_step skipped this micro-batch
-        n_items = count_items(batch, getattr(owner, "count_items", None))
+        counted = owner.accumulation_state.micro_batch_items if owner is not None else None
+        n_items = counted if counted is not None else count_items(batch, getattr(owner, "count_items", None))
         # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
         k = trainer.accumulate_grad_batches
-        split = owner is not None and owner.accumulation_state.mode == "split"
-        # Split mode hands Lightning the item-weighted mean of its micro-batches, whatever `loss_reduction` is.
-        if not split and getattr(owner, "loss_reduction", "mean") == "sum":
+        # (Split mode never gets here: its owner provides the window loss, see `_provides_window_loss`.)
+        if getattr(owner, "loss_reduction", "mean") == "sum":
             self._add_loss(loss.detach() * k, n_items)
         elif isinstance(n_items, Tensor):
             self._add_loss(loss.detach() * k * n_items, n_items)
@@ -333,7 +333,7 @@ def _find_owner(trainer: pl.Trainer) -> Any | None:
 
 def _provides_window_loss(state: AccumulationState | None) -> bool:
     # Split mode runs its micro-batches inside one Lightning batch, so only the owner knows their losses.
-    return state is not None and getattr(state, "window_loss_sum", None) is not None
+    return state is not None and state.window_loss_sum is not None
 
 
 def _budget_fraction(state: AccumulationState | None, capacity_bytes: int) -> float:

@@ -187,6 +187,7 @@ class AccumulationScheduler(Callback):
         self._stepped = False
         # Counted at backward time: a micro-batch whose `training_step` returns None has no backward and no items.
         self._pending_counts = (count_items(batch, self.count_items), n_samples)
+        self.accumulation_state.micro_batch_items = self._pending_counts[0]
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
         self._new_window = False

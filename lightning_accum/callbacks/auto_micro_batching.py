@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum.distributed import all_reduce_gradients, any_across_ranks, sum_across_ranks_fn
+from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.oom import OOMInjector, is_oom_error, release_memory
@@ -236,15 +236,14 @@ class AutoMicroBatching(Callback):
         assert trainer is not None
         step_batch_size = batch_size_of(context.batch)
         module = trainer.lightning_module
-        hook_name = _compat.current_hook_name(module)
         while True:
             self._size = self.planner.size_for(step_batch_size)
             fault = _NO_FAULT
             try:
-                outcome = self._attempt(trainer, context, self._size)
+                # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
+                with _compat.hook_context(module):
+                    outcome = self._attempt(trainer, context, self._size)
             except Exception as err:  # classified below; anything that isn't an OOM is re-raised after agreement
-                # Lightning's hook bookkeeping doesn't unwind on exceptions; later `self.log` calls would be misfiled.
-                _compat.restore_hook_name(module, hook_name)
                 if not is_oom_error(err):
                     self._agree_on_fault(trainer, _OTHER_ERROR)
                     raise
@@ -323,6 +322,8 @@ class AutoMicroBatching(Callback):
             extra = result.extra
             del result, loss
         window_loss = torch.as_tensor(weighted_loss) / torch.as_tensor(total_weight).clamp(min=1)
+        self.accumulation_state.window_loss_sum = weighted_loss
+        self.accumulation_state.window_items = total_weight
         return window_loss, extra
 
     def _agree_on_fault(self, trainer: pl.Trainer, fault: int) -> int:
@@ -330,7 +331,7 @@ class AutoMicroBatching(Callback):
         if trainer.world_size <= 1:
             return fault
         flags = torch.tensor([fault], dtype=torch.int64, device=trainer.strategy.root_device)
-        return int(any_across_ranks(trainer, flags).item())
+        return int(max_across_ranks(trainer, flags).item())
 
     @contextlib.contextmanager
     def _sync_blocked(self, trainer: pl.Trainer, blocked: bool) -> Iterator[None]:
@@ -365,7 +366,7 @@ class AutoMicroBatching(Callback):
         local = torch.tensor(
             [self._backend.peak_bytes(), self._backend.alloc_retries() - self._retries_at_start], dtype=torch.int64
         )
-        peak, retries = (int(v) for v in any_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
+        peak, retries = (int(v) for v in max_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
         planned = self.planner.on_step(
             self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
         )
