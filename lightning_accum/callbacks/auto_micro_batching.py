@@ -366,7 +366,7 @@ class AutoMicroBatching(Callback):
         local = torch.tensor(
             [self._backend.peak_bytes(), self._backend.alloc_retries() - self._retries_at_start], dtype=torch.int64
         )
-        peak, retries = (int(v) for v in max_across_ranks(trainer, local.to(trainer.strategy.root_device)).tolist())
+        peak, retries = (int(v) for v in max_across_ranks(trainer, local).tolist())
         planned = self.planner.on_step(
             self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
         )
