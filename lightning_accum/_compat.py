@@ -107,7 +107,60 @@ def is_last_training_batch(trainer: pl.Trainer) -> bool:
     ``limit_train_batches``.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(epoch_loop, "_num_ready_batches_reached", None)):
+        raise RuntimeError(
+            f"lightning {lightning.__version__} has no `_TrainingEpochLoop._num_ready_batches_reached`, which"
+            f" lightning_accum uses to find the epoch's last batch. Use lightning{SUPPORTED_LIGHTNING}."
+        )
     return bool(epoch_loop._num_ready_batches_reached())
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers file the current optimizer step under (the first step is 0).
+
+    ``self.log``, ``LearningRateMonitor`` and ``ThroughputMonitor`` all use
+    ``_TrainingEpochLoop._batches_that_stepped``, which is incremented in ``on_advance_end``, after the batch's
+    ``on_train_batch_end`` hooks, whereas ``trainer.global_step`` already counts the step at that point.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not isinstance(getattr(epoch_loop, "_batches_that_stepped", None), int):
+        raise RuntimeError(
+            f"lightning {lightning.__version__} has no `_TrainingEpochLoop._batches_that_stepped`, which"
+            f" `AccumulationMonitor` logs against. Use lightning{SUPPORTED_LIGHTNING}."
+        )
+    return epoch_loop._batches_that_stepped
+
+
+def override_estimated_stepping_batches(trainer: pl.Trainer, estimate: Callable[[int], Any]) -> Callable[[], None]:
+    """Make ``trainer.estimated_stepping_batches`` return ``estimate(num_training_batches)``. Returns the undo.
+
+    Lightning computes it as ``ceil(batches / accumulate_grad_batches) * max_epochs``
+    (``Trainer.estimated_stepping_batches`` in ``trainer/trainer.py``), with the ``k`` the Trainer holds before the
+    first batch, so it ignores a ``k`` set by a callback or a schedule. The property lives on the class, so the
+    instance gets a subclass of its own class that overrides it; other Trainers are untouched. Lightning's own
+    property still runs first: it loads the train dataloader when nobody has yet, and answers for infinite runs.
+    """
+    original_class = type(trainer)
+    original_property = original_class.estimated_stepping_batches
+
+    def estimated_stepping_batches(self: pl.Trainer) -> int | float:
+        lightning_estimate = original_property.fget(self)  # type: ignore[attr-defined]
+        total_batches = self.num_training_batches
+        if self.max_epochs == -1 or total_batches == float("inf"):
+            return lightning_estimate
+        return estimate(int(total_batches))
+
+    patched = type(original_class.__name__, (original_class,), {})
+    patched.estimated_stepping_batches = property(estimated_stepping_batches, doc=original_property.__doc__)
+    patched.__module__ = original_class.__module__
+    patched.__qualname__ = original_class.__qualname__
+    trainer.__class__ = patched
+
+    def undo() -> None:
+        if type(trainer) is patched:
+            trainer.__class__ = original_class
+
+    return undo
 
 
 # ---------------------------------------------------------------------------------------------------------------

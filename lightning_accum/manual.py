@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_accum import _compat
 from lightning_accum.distributed import sum_across_ranks_fn
@@ -79,10 +81,29 @@ class ManualAccumulation:
         self._position = -1  # -1: no window open
         self._epoch = -1
 
-    def backward(self, module: pl.LightningModule, loss: Tensor, batch: Any, *args: Any, **kwargs: Any) -> bool:
+    def backward(
+        self,
+        module: pl.LightningModule,
+        loss: Tensor,
+        batch: Any,
+        *args: Any,
+        optimizer: Optimizer | LightningOptimizer | None = None,
+        **kwargs: Any,
+    ) -> bool:
         """Back-propagate one micro-batch's ``loss`` with its exact weight; ``True`` when the optimizer should step.
 
-        Extra arguments go to ``module.manual_backward``.
+        Args:
+            module: the LightningModule whose ``training_step`` calls this.
+            loss: the micro-batch's loss (its mean or sum over items, as ``loss_reduction`` says).
+            batch: the micro-batch, for counting its items and samples.
+            optimizer: the optimizer this helper accumulates for. Only its parameters are rescaled at the end of the
+                window, so that one helper per optimizer (a GAN's generator and discriminator) never touches the
+                other's gradients. Required when the module has more than one optimizer.
+            *args: passed to ``module.manual_backward``.
+            **kwargs: passed to ``module.manual_backward``.
+
+        Raises:
+            ValueError: the module has several optimizers and ``optimizer`` is not given.
         """
         trainer = module.trainer
         if self._position < 0 or trainer.current_epoch != self._epoch:
@@ -96,7 +117,7 @@ class ManualAccumulation:
             self._position += 1
             return False
         self.last_window = self.normalizer.finish_window(
-            module.parameters(), sum_across_ranks_fn(trainer), trainer.world_size
+            _parameters_of(module, optimizer), sum_across_ranks_fn(trainer), trainer.world_size
         )
         self.consumed_samples += self.last_window.samples
         self._position = -1
@@ -121,3 +142,21 @@ class ManualAccumulation:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.consumed_samples = int(state.get("consumed_samples", 0))
         self.normalizer.load_state_dict(state.get("normalizer", {}))
+
+
+def _parameters_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> list[Tensor]:
+    """The parameters whose gradients one helper owns: its optimizer's (the module's only one when not named)."""
+    if optimizer is None:
+        optimizers = module.optimizers(use_pl_optimizer=False)
+        if isinstance(optimizers, list):
+            if len(optimizers) != 1:
+                raise ValueError(
+                    f"`ManualAccumulation.backward` needs `optimizer=`: this LightningModule has {len(optimizers)}"
+                    " optimizers, and a helper must rescale only the gradients of the one it accumulates for. Use one"
+                    " helper per optimizer, e.g. `self.d_accumulation.backward(self, d_loss, batch, optimizer=d_opt)`."
+                )
+            optimizers = optimizers[0]
+        optimizer = optimizers
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
+    return [p for group in optimizer.param_groups for p in group["params"]]

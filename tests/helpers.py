@@ -76,6 +76,7 @@ def make_trainer(tmp_path: Any, callbacks: Sequence[pl.Callback] = (), **kwargs:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,  # tiny runs: log (and let AccumulationMonitor log) every optimizer step
     }
     defaults.update(kwargs)
     return pl.Trainer(callbacks=list(callbacks), **defaults)

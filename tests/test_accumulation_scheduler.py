@@ -6,6 +6,7 @@ import copy
 import logging
 from functools import partial
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -221,6 +222,8 @@ def test_fit_twice_and_state_dict_round_trip(tmp_path):
         ({"schedule": 2, "unit": "batch"}, ValueError, r"`unit` must be one of 'epoch', 'step', 'sample', got 'batch'"),
         ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be 'mean' .* got 'avg'"),
         ({"count_items": 3}, TypeError, r"`count_items` must be a function of a batch.*got 3 of type int"),
+        ({"sync_every_micro_batch": "no"}, TypeError, r"`sync_every_micro_batch` must be a bool, got 'no' of type str"),
+        ({"sync_every_micro_batch": 1}, TypeError, r"`sync_every_micro_batch` must be a bool, got 1 of type int"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, error, match):
@@ -298,3 +301,60 @@ def test_a_skipped_micro_batch_counts_no_items(tmp_path):
     assert [len(i) for i in model.step_indices] == [12, 16]  # batch 3 (samples 12-15) was skipped
     expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
     assert_grads_close(model.step_grads, expected, **FP32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# after an exception in fit (issue 9, item 15) and what the run config records (item 19)
+# ---------------------------------------------------------------------------------------------------------------
+class FailsOnce(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at: int | None = 5
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            self.fail_at = None
+            raise ValueError("a bug in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_in_fit_leaves_the_trainer_as_it_was(tmp_path):
+    scheduler = AccumulationScheduler(4)
+    trainer = make_trainer(tmp_path, [scheduler], max_epochs=1)
+    model = FailsOnce()
+    loader = DataLoader(IndexedDataset(40), batch_size=4)
+    with pytest.raises(ValueError, match="a bug in training_step"):
+        trainer.fit(model, loader)
+    assert trainer.accumulate_grad_batches == 1
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert "_accumulated_batches_reached" not in vars(epoch_loop)
+    assert "_make_zero_grad_fn" not in vars(epoch_loop.automatic_optimization)
+    assert type(trainer) is pl.Trainer
+
+    # The same Trainer fits again (no misleading "set together" error) and every step is exact.
+    retry = RegressionModel()
+    initial = copy.deepcopy(retry)
+    trainer.fit(retry, loader)
+    assert [len(i) for i in retry.step_indices] == [16, 16, 8]
+    expected = replay_reference(initial, loader.dataset, retry.step_indices, mse_loss, lr=0.1)
+    assert_grads_close(retry.step_grads, expected, **FP32)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "unit", "expected_unit"),
+    [
+        (BatchSizeRamp(start=4, target=16, increment=4, ramp_samples=48), "epoch", "sample"),
+        ({0: 1, 8: 2}, "sample", "sample"),
+        ({0: 1, 2: 2}, "step", "step"),
+        (4, "epoch", None),  # a constant k depends on no progress counter
+    ],
+)
+def test_settings_record_the_schedules_real_unit(tmp_path, schedule, unit, expected_unit):
+    scheduler = AccumulationScheduler(schedule, unit=unit, sync_every_micro_batch=True)
+    fit_regression(tmp_path, [scheduler], n=16)
+    settings = scheduler.accumulation_state.settings
+    assert settings["unit"] == expected_unit
+    assert settings["schedule"] == repr(scheduler._active_schedule)
+    assert settings["count_items"] == "samples"
+    assert settings["loss_reduction"] == "mean"
+    assert settings["sync_every_micro_batch"] is True

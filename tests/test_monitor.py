@@ -98,7 +98,7 @@ def test_window_mode_logs_every_key_at_every_step_to_wandb_and_csv(tmp_path, wan
     assert trainer.global_step == steps
     run = read_offline_run(tmp_path / "wandb", wait_s=10)
     logged = wandb_steps(run)
-    assert sorted(logged) == list(range(1, steps + 1))
+    assert sorted(logged) == list(range(steps))  # Lightning's step axis: the first optimizer step is 0
     capacity = backend_for("cpu").capacity_bytes()
     for step, row in logged.items():
         assert EVERY_STEP_KEYS <= row.keys(), f"step {step} misses {EVERY_STEP_KEYS - row.keys()}"
@@ -112,7 +112,7 @@ def test_window_mode_logs_every_key_at_every_step_to_wandb_and_csv(tmp_path, wan
         assert math.isfinite(row[keys.WINDOW_LOSS])
         assert_memory_figures(row, capacity)
     # A constant schedule never changes k: its first k is where the run starts, not an event.
-    assert not any(keys.EVENT_SCHEDULE_CHANGE in logged[s] for s in range(1, steps + 1))
+    assert not any(keys.EVENT_SCHEDULE_CHANGE in logged[s] for s in range(steps))
 
     # Memory peaks are summarised by their maximum, the rest by their last value.
     assert run.summary[keys.PEAK_GIB] == {"max": max(r[keys.PEAK_GIB] for r in logged.values())}
@@ -183,8 +183,8 @@ def test_window_loss_is_the_item_weighted_mean_over_uneven_micro_batches(tmp_pat
     trainer.fit(model, DataLoader(dataset, batch_size=b))
 
     rows = read_csv(csv_logger.log_dir)
-    assert rows[1][keys.WINDOW_LOSS] == pytest.approx(expected, rel=1e-6)
-    assert rows[1][keys.EFFECTIVE_BATCH_SIZE] == n
+    assert rows[0][keys.WINDOW_LOSS] == pytest.approx(expected, rel=1e-6)
+    assert rows[0][keys.EFFECTIVE_BATCH_SIZE] == n
 
 
 class SumLossModel(RegressionModel):
@@ -211,7 +211,7 @@ def test_window_loss_with_sum_reduction_and_an_item_counter(tmp_path):
     trainer = make_trainer(tmp_path, [scheduler, AccumulationMonitor()], logger=csv_logger, max_epochs=1)
     trainer.fit(model, DataLoader(dataset, batch_size=b))
 
-    row = read_csv(csv_logger.log_dir)[1]
+    row = read_csv(csv_logger.log_dir)[0]
     assert row[keys.WINDOW_LOSS] == pytest.approx(total / n_items, rel=1e-6)
     assert row[keys.ITEMS_PER_STEP] == n_items
     assert row[keys.EFFECTIVE_BATCH_SIZE] == n
@@ -245,17 +245,17 @@ def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path):
     fit(tmp_path, [SplitModeOwner(), AccumulationMonitor()], csv_logger, n=12, batch_size=4, max_epochs=1)
 
     rows = read_csv(csv_logger.log_dir)
-    assert sorted(rows) == [1, 2, 3]
-    assert [rows[s][keys.ACCUMULATION_STEPS] for s in (1, 2, 3)] == [4, 2, 2]
-    assert [rows[s][keys.OOM_RETRIES] for s in (1, 2, 3)] == [0, 1, 1]
-    assert [rows[s][keys.WINDOW_LOSS] for s in (1, 2, 3)] == pytest.approx([3.0 / 6, 6.0 / 6, 9.0 / 6])
+    assert sorted(rows) == [0, 1, 2]
+    assert [rows[s][keys.ACCUMULATION_STEPS] for s in (0, 1, 2)] == [4, 2, 2]
+    assert [rows[s][keys.OOM_RETRIES] for s in (0, 1, 2)] == [0, 1, 1]
+    assert [rows[s][keys.WINDOW_LOSS] for s in (0, 1, 2)] == pytest.approx([3.0 / 6, 6.0 / 6, 9.0 / 6])
     for row in rows.values():
         assert row[keys.EFFECTIVE_BATCH_SIZE] == 8
         assert row[keys.ITEMS_PER_STEP] == 16
         assert row[BUDGET_FRACTION] == 0.5
         assert row[keys.ITEMS_PER_SEC] == pytest.approx(2 * row[keys.SAMPLES_PER_SEC])
-    assert rows[2][keys.EVENT_OOM_RECOVERED] == 2
-    assert keys.EVENT_OOM_RECOVERED not in rows[1] and keys.EVENT_OOM_RECOVERED not in rows[3]
+    assert rows[1][keys.EVENT_OOM_RECOVERED] == 2
+    assert keys.EVENT_OOM_RECOVERED not in rows[0] and keys.EVENT_OOM_RECOVERED not in rows[2]
     # The log line is the owner's to write (AutoMicroBatching logs each event as it happens), not the monitor's.
 
 
@@ -266,7 +266,7 @@ def test_logging_interval_logs_every_nth_step_with_throughput_over_the_interval(
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     trainer = fit(tmp_path, [AccumulationScheduler(2), AccumulationMonitor(logging_interval=2)], csv_logger)
     rows = read_csv(csv_logger.log_dir)
-    assert sorted(rows) == list(range(2, trainer.global_step + 1, 2))
+    assert sorted(rows) == list(range(1, trainer.global_step, 2))  # the 2nd, 4th, ... step: 1, 3, ...
     for row in rows.values():
         assert EVERY_STEP_KEYS <= row.keys()
         assert row[keys.EFFECTIVE_BATCH_SIZE] == 8
@@ -292,9 +292,9 @@ def test_peak_is_reset_at_each_logging_step(tmp_path):
     trainer = make_trainer(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], logger=csv_logger)
     trainer.fit(AllocatesAtStep(step=2, n_bytes=spike), DataLoader(IndexedDataset(40), batch_size=4))
     peaks = {s: r[keys.PEAK_GIB] for s, r in read_csv(csv_logger.log_dir).items()}
-    # The spike happens in the third optimizer step (global_step 2 while it runs), logged at step 3.
-    assert peaks[3] - peaks[2] > 0.8 * spike / GIB
-    assert peaks[3] - peaks[4] > 0.8 * spike / GIB  # reset: the next interval no longer holds it
+    # The spike happens in the third optimizer step (global_step 2 while it runs), logged at step 2.
+    assert peaks[2] - peaks[1] > 0.8 * spike / GIB
+    assert peaks[2] - peaks[3] > 0.8 * spike / GIB  # reset: the next interval no longer holds it
 
 
 def test_fit_twice_and_state_dict_round_trip(tmp_path):
@@ -304,7 +304,7 @@ def test_fit_twice_and_state_dict_round_trip(tmp_path):
         trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], logger=csv_logger)
         trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
         rows = read_csv(csv_logger.log_dir)
-        assert sorted(rows) == [1, 2]
+        assert sorted(rows) == [0, 1]
         assert all(EVERY_STEP_KEYS <= row.keys() for row in rows.values())
 
     state = monitor.state_dict()
@@ -350,7 +350,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
     trainer.fit(AllocatesAtStep(step=1, n_bytes=spike, rank=1), DataLoader(IndexedDataset(32), batch_size=b))
 
     rows = read_csv(csv_logger.log_dir)
-    assert sorted(rows) == [1, 2]
+    assert sorted(rows) == [0, 1]
     for row in rows.values():
         assert EVERY_STEP_KEYS <= row.keys()
         assert row[keys.EFFECTIVE_BATCH_SIZE] == b * k * world
@@ -359,7 +359,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
         assert row[keys.ACCUMULATION_STEPS] == k
         assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]
     # Rank 0 (the one that logs) never held the block: the logged peak is rank 1's.
-    assert rows[2][keys.PEAK_GIB] - rows[1][keys.PEAK_GIB] > 0.8 * spike / GIB
+    assert rows[1][keys.PEAK_GIB] - rows[0][keys.PEAK_GIB] > 0.8 * spike / GIB
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -380,10 +380,85 @@ def test_split_mode_with_auto_micro_batching(tmp_path, loss_reduction):
     trainer = make_trainer(tmp_path, [owner, AccumulationMonitor()], logger=csv_logger, max_epochs=1)
     trainer.fit(model, DataLoader(dataset, batch_size=step_batch))
 
-    row = read_csv(csv_logger.log_dir)[1]
+    row = read_csv(csv_logger.log_dir)[0]
     assert EVERY_STEP_KEYS <= row.keys()
     assert row[keys.WINDOW_LOSS] == pytest.approx(expected, rel=1e-5)
     assert row[keys.EFFECTIVE_BATCH_SIZE] == n and row[keys.ITEMS_PER_STEP] == n
     assert row[keys.MICRO_BATCH_SIZE] == micro and row[keys.ACCUMULATION_STEPS] == 3
     assert row[BUDGET_FRACTION] == pytest.approx(0.5)
     assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lightning's step axis, callback_metrics, the short tail window (issue 9, items 2, 3 and 7)
+# ----------------------------------------------------------------------------------------------------------------
+class LogsItsLoss(RegressionModel):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 2])
+def test_the_monitor_logs_on_lightnings_step_axis(tmp_path, log_every_n_steps):
+    # `self.log` and LearningRateMonitor write the first optimizer step at step 0; the monitor's row for an optimizer
+    # step must be the same row. With k=1 the window loss of a step is the loss `self.log` saw in that step.
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    callbacks = [AccumulationScheduler(1), AccumulationMonitor(), LearningRateMonitor()]
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, max_epochs=1, log_every_n_steps=log_every_n_steps)
+    trainer.fit(LogsItsLoss(), DataLoader(IndexedDataset(24), batch_size=4))
+    rows = read_csv(csv_logger.log_dir)
+    monitor_steps = sorted(s for s, r in rows.items() if keys.WINDOW_LOSS in r)
+    user_steps = sorted(s for s, r in rows.items() if "train/loss" in r)
+    lr_steps = sorted(s for s, r in rows.items() if "lr-SGD" in r)
+    assert monitor_steps == user_steps == lr_steps == list(range(log_every_n_steps - 1, 6, log_every_n_steps))
+    if log_every_n_steps == 1:  # (a longer interval's window loss covers the whole interval)
+        for step in monitor_steps:
+            assert rows[step][keys.WINDOW_LOSS] == pytest.approx(rows[step]["train/loss"], rel=1e-6)
+
+
+def test_the_default_interval_follows_log_every_n_steps(tmp_path):
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [AccumulationMonitor()], logger=csv_logger, log_every_n_steps=3)
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(40), batch_size=4))
+    assert sorted(read_csv(csv_logger.log_dir)) == [2, 5, 8]
+
+
+def test_monitor_metrics_reach_callback_metrics_and_model_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=keys.WINDOW_LOSS, mode="min", every_n_train_steps=1)
+    early_stopping = EarlyStopping(monitor=keys.WINDOW_LOSS, check_on_train_epoch_end=True, patience=100)
+    trainer = make_trainer(
+        tmp_path,
+        [AccumulationScheduler(2), AccumulationMonitor(), checkpoint, early_stopping],
+        logger=CSVLogger(str(tmp_path), name="csv"),
+        enable_checkpointing=True,
+        max_epochs=2,
+    )
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(40), batch_size=4))
+    metrics = trainer.callback_metrics
+    assert EVERY_STEP_KEYS <= metrics.keys()
+    assert float(metrics[keys.EFFECTIVE_BATCH_SIZE]) == 8
+    # ModelCheckpoint really watched the window loss: it kept the best of every step's value.
+    assert checkpoint.best_model_path.endswith(".ckpt")
+    assert math.isfinite(float(checkpoint.best_model_score))
+    # EarlyStopping saw it at each epoch end (its initial best is +inf); the best of every step is at most that.
+    assert math.isfinite(float(early_stopping.best_score))
+    assert float(checkpoint.best_model_score) <= float(early_stopping.best_score)
+
+
+def test_accumulation_steps_is_the_steps_own_count_on_a_short_tail(tmp_path):
+    # 10 micro-batches at k=4: windows of 4, 4 and 2; the tail step had 2 micro-batches, not the planned 4.
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    fit(tmp_path, [AccumulationScheduler(4), AccumulationMonitor()], csv_logger, n=40, max_epochs=1)
+    rows = read_csv(csv_logger.log_dir)
+    assert [rows[s][keys.ACCUMULATION_STEPS] for s in sorted(rows)] == [4, 4, 2]
+    assert [rows[s][keys.EFFECTIVE_BATCH_SIZE] for s in sorted(rows)] == [16, 16, 8]

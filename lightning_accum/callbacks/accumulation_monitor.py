@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_accum import _compat
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.monitoring import StepFigures, WeightedMean, budget_fraction, event_metrics
@@ -26,10 +27,12 @@ class AccumulationMonitor(Callback):
     The figures are global: batch and item counts are summed over ranks, memory is the largest peak of any rank.
     They come from the callback that owns accumulation (``AccumulationScheduler`` or ``AutoMicroBatching``) when one
     is in the Trainer, and are counted from the batches otherwise (plain ``Trainer(accumulate_grad_batches=k)``).
-    Metrics go through ``logger.log_metrics(metrics, step=trainer.global_step)`` of every logger in
-    ``trainer.loggers``, on rank zero. With a ``WandbLogger``, the keys are also defined against
-    ``trainer/global_step`` (memory peaks summarised by their maximum) and the accumulation settings are put into
-    the run config under ``lightning_accum``.
+    Metrics go to every logger in ``trainer.loggers`` on rank zero, on Lightning's own step axis: the step that
+    ``self.log``, ``LearningRateMonitor`` and ``ThroughputMonitor`` use for the same optimizer step (the first step
+    is 0). They also reach ``trainer.callback_metrics`` (through ``self.log(..., logger=False)``), so
+    ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them. With a ``WandbLogger``,
+    the keys are also defined against ``trainer/global_step`` (memory peaks summarised by their maximum) and the
+    accumulation settings are put into the run config under ``lightning_accum``.
 
     The device is only synchronized at logging steps (memory reads, the window loss, a few small all-reduces), never
     per micro-batch.
@@ -59,8 +62,9 @@ class AccumulationMonitor(Callback):
         ==================================  ===========  ==================================================
 
     Args:
-        logging_interval: log every this many optimizer steps. Throughput, peak memory and the window loss cover
-            the whole interval; batch figures describe its last step.
+        logging_interval: log every this many optimizer steps; ``None`` (the default) follows
+            ``Trainer(log_every_n_steps)``, as Lightning's own monitors do. Throughput, peak memory and the window
+            loss cover the whole interval; batch figures describe its last step.
 
     Raises:
         TypeError: ``logging_interval`` is not an int.
@@ -73,13 +77,15 @@ class AccumulationMonitor(Callback):
         >>> trainer = Trainer(callbacks=[AccumulationScheduler(4), monitor], enable_progress_bar=False)
     """
 
-    def __init__(self, logging_interval: int = 1) -> None:
-        if isinstance(logging_interval, bool) or not isinstance(logging_interval, int):
+    def __init__(self, logging_interval: int | None = None) -> None:
+        if logging_interval is not None and (
+            isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
+        ):
             raise TypeError(
-                f"`logging_interval` must be an int (optimizer steps), got {logging_interval!r} of type"
-                f" {type(logging_interval).__name__}."
+                f"`logging_interval` must be an int (optimizer steps) or None (follow `Trainer(log_every_n_steps)`),"
+                f" got {logging_interval!r} of type {type(logging_interval).__name__}."
             )
-        if logging_interval < 1:
+        if logging_interval is not None and logging_interval < 1:
             raise ValueError(
                 f"`logging_interval` must be >= 1 (log every that many optimizer steps), got {logging_interval}."
             )
@@ -139,7 +145,7 @@ class AccumulationMonitor(Callback):
         else:
             settings = {"mode": "lightning", "accumulate_grad_batches": trainer.accumulate_grad_batches}
         settings["world_size"] = trainer.world_size
-        settings["monitor_logging_interval"] = self.logging_interval
+        settings["monitor_logging_interval"] = self.logging_interval or trainer.log_every_n_steps
         return settings
 
     @override
@@ -201,8 +207,10 @@ class AccumulationMonitor(Callback):
                 self._interval_peak = max(self._interval_peak, self._backend.peak_bytes())
             if _provides_window_loss(state):
                 self._add_loss(state.window_loss_sum, state.window_items)
-        if trainer.global_step % self.logging_interval == 0:
-            self._log(trainer, state)
+        step = _compat.logging_step(trainer)
+        interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        if interval > 0 and (step + 1) % interval == 0:
+            self._log(trainer, pl_module, state, step)
 
     def _update_loss_from_outputs(self, trainer: pl.Trainer, owner: Any, outputs: Any, batch: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -235,7 +243,9 @@ class AccumulationMonitor(Callback):
     # ----------------------------------------------------------------------------------------------------------
     # logging steps: the only place that synchronizes
     # ----------------------------------------------------------------------------------------------------------
-    def _log(self, trainer: pl.Trainer, state: AccumulationState | None) -> None:
+    def _log(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: AccumulationState | None, step: int
+    ) -> None:
         # Every rank runs this block in the same order: it holds collectives.
         device = self._loss.device
         weight = torch.as_tensor(self._loss_weight, dtype=torch.float32, device=device)
@@ -301,7 +311,16 @@ class AccumulationMonitor(Callback):
         metrics = {**figures.as_metrics(), **event_metrics(events)}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=step)
+        # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
+        # EarlyStopping; the loggers were served above, at this step, so Lightning must not log them again.
+        pl_module.log_dict(
+            {key: float(value) for key, value in figures.as_metrics().items()},
+            logger=False,
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
 
         self._interval_local_samples = 0
         self._interval_peak = 0

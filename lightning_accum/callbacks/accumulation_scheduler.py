@@ -25,7 +25,14 @@ from lightning_accum.normalization import (
     check_loss_reduction,
     count_items,
 )
-from lightning_accum.schedules import AccumulationSchedule, ConstantSchedule, Progress, ScheduleUnit, as_schedule
+from lightning_accum.schedules import (
+    AccumulationSchedule,
+    ConstantSchedule,
+    Progress,
+    ScheduleUnit,
+    as_schedule,
+    count_optimizer_steps,
+)
 from lightning_accum.state import AccumulationEvent, AccumulationState
 
 log = logging.getLogger("lightning_accum")
@@ -40,7 +47,9 @@ class AccumulationScheduler(Callback):
     DDP, where gradients are all-reduced once per optimizer step. Gradient clipping sees the exact gradient.
 
     A change of ``k`` takes effect at the next window boundary, also mid-epoch, and is logged. Windows never cross an
-    epoch boundary.
+    epoch boundary. ``trainer.estimated_stepping_batches`` counts the optimizer steps the schedule really takes
+    (short tail windows and changes of ``k`` included), so LR schedules sized from it in ``configure_optimizers``
+    end where training ends.
 
     Args:
         schedule: ``k`` as an int; a ``{key: k}`` mapping whose keys ``unit`` reads; a schedule object with an
@@ -56,7 +65,8 @@ class AccumulationScheduler(Callback):
             step. It costs communication and, under FSDP, saves the memory of full unsharded gradients.
 
     Raises:
-        TypeError: ``schedule`` or one of its keys or values has the wrong type.
+        TypeError: ``schedule`` or one of its keys or values has the wrong type, or ``sync_every_micro_batch`` is
+            not a bool.
         ValueError: ``k < 1``, schedule keys negative or not increasing, an unknown ``unit`` or ``loss_reduction``,
             or ``schedule`` given together with ``Trainer(accumulate_grad_batches > 1)``.
         RuntimeError: manual optimization (use `lightning_accum.ManualAccumulation`), a strategy that
@@ -84,7 +94,13 @@ class AccumulationScheduler(Callback):
         self.unit: ScheduleUnit = unit
         self.count_items = resolve_counter(count_items)
         self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
-        self.sync_every_micro_batch = bool(sync_every_micro_batch)
+        if not isinstance(sync_every_micro_batch, bool):
+            raise TypeError(
+                f"`sync_every_micro_batch` must be a bool, got {sync_every_micro_batch!r} of type"
+                f" {type(sync_every_micro_batch).__name__}. Pass True to sync gradients after every micro-batch,"
+                " False (the default) to sync once per optimizer step."
+            )
+        self.sync_every_micro_batch = sync_every_micro_batch
         self.normalizer = WindowNormalizer(loss_reduction)
         self.accumulation_state = AccumulationState(mode="window")
 
@@ -98,6 +114,7 @@ class AccumulationScheduler(Callback):
         self._pending_counts: tuple[int | Tensor, int] = (0, 0)
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._undo: list[Callable[[], None]] = []
+        self._trainer: pl.Trainer | None = None
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -107,6 +124,7 @@ class AccumulationScheduler(Callback):
         if stage != "fit":
             return
         self._trainer_k = trainer.accumulate_grad_batches
+        self._trainer = trainer
         self._validate(trainer, pl_module)
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
@@ -114,10 +132,14 @@ class AccumulationScheduler(Callback):
         trainer.callbacks.remove(self)
         trainer.callbacks.insert(0, self)
         self.accumulation_state.world_size = trainer.world_size
+        # LR schedules sized from `estimated_stepping_batches` in `configure_optimizers` (which runs after this hook)
+        # must see the steps this schedule really takes, not Lightning's k=1 estimate.
+        self._undo.append(_compat.override_estimated_stepping_batches(trainer, self._estimate_optimizer_steps))
         self.accumulation_state.settings = {
             "mode": "window",
             "schedule": repr(self._active_schedule),
-            "unit": self.unit,
+            # What the schedule's keys count (a ramp counts samples whatever `unit` says); None: k never changes.
+            "unit": getattr(self._active_schedule, "unit", None),
             "count_items": _describe(self.count_items),
             "loss_reduction": self.loss_reduction,
             "sync_every_micro_batch": self.sync_every_micro_batch,
@@ -160,13 +182,40 @@ class AccumulationScheduler(Callback):
             self._undo.append(_compat.disable_backward_sync_blocking(trainer.strategy))
         self._new_window = True
 
+    def _estimate_optimizer_steps(self, batches_per_epoch: int) -> int:
+        trainer = self._trainer
+        assert trainer is not None
+        loader = trainer.train_dataloader
+        micro_batch_size = getattr(loader, "batch_size", None) or self._micro_batch_size or 1
+        sampler = getattr(loader, "sampler", None)
+        samples_per_epoch = batches_per_epoch * micro_batch_size
+        if sampler is not None and hasattr(sampler, "__len__"):
+            samples_per_epoch = min(len(sampler), samples_per_epoch)  # the last micro-batch may be short
+        return count_optimizer_steps(
+            self._active_schedule,
+            batches_per_epoch=batches_per_epoch,
+            max_epochs=trainer.max_epochs or 1,
+            max_steps=trainer.max_steps,
+            micro_batch_size=micro_batch_size,
+            samples_per_epoch=samples_per_epoch,
+            world_size=trainer.world_size,
+        )
+
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._restore(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no `teardown` hook after an exception; a re-fit of this Trainer must find it as it was.
+        self._restore(trainer)
+
+    def _restore(self, trainer: pl.Trainer) -> None:
         while self._undo:
             self._undo.pop()()
         trainer.accumulate_grad_batches = self._trainer_k
+        self._trainer = None
 
     # ----------------------------------------------------------------------------------------------------------
     # the window
@@ -231,7 +280,7 @@ class AccumulationScheduler(Callback):
         totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
         self._stepped = True
         state = self.accumulation_state
-        state.accumulation_steps = self._k
+        state.accumulation_steps = self.normalizer.micro_batches  # this step's, not the plan: a tail window is short
         state.micro_batch_size = self._micro_batch_size
         state.samples_per_step = totals.samples
         state.items_per_step = totals.items

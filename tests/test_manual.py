@@ -1,0 +1,91 @@
+"""``ManualAccumulation`` under manual optimization: exact windows, one helper per optimizer (the GAN case)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_accum import ManualAccumulation
+from tests.helpers import TokenDataset, count_tokens, make_trainer
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def token_mean_loss(layer: nn.Module, batch) -> torch.Tensor:
+    """Mean squared error over the loss-bearing tokens of a token batch (padding carries no loss)."""
+    mask = batch["mask"]
+    prediction = layer(batch["x"]).squeeze(-1)
+    return ((prediction - batch["y"]) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A generator and a discriminator, each with its own optimizer and its own accumulation helper.
+
+    The two windows have different lengths and the micro-batches hold uneven token counts, so each helper's
+    end-of-window factor differs from 1 and from the other's: a helper that rescaled every parameter of the module
+    would corrupt the other optimizer's accumulating gradient.
+    """
+
+    def __init__(self, k_gen: int, k_disc: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.gen = nn.Linear(5, 1)
+        self.disc = nn.Linear(5, 1)
+        self.gen_accumulation = ManualAccumulation(k_gen, count_items=count_tokens)
+        self.disc_accumulation = ManualAccumulation(k_disc, count_items=count_tokens)
+        self.windows: dict[str, list[int]] = {"gen": [], "disc": []}
+        self.grads: dict[str, list[dict[str, torch.Tensor]]] = {"gen": [], "disc": []}
+        self._open: dict[str, list[int]] = {"gen": [], "disc": []}
+
+    def training_step(self, batch, batch_idx):
+        gen_opt, disc_opt = self.optimizers()
+        for name, layer, helper, opt in (
+            ("disc", self.disc, self.disc_accumulation, disc_opt),
+            ("gen", self.gen, self.gen_accumulation, gen_opt),
+        ):
+            self._open[name].append(batch_idx)
+            loss = token_mean_loss(layer, batch)
+            if helper.backward(self, loss, batch, optimizer=opt):
+                self.grads[name].append({n: p.grad.clone() for n, p in layer.named_parameters()})
+                self.windows[name].append(self._open[name])
+                self._open[name] = []
+                opt.step()
+                opt.zero_grad()
+
+    def configure_optimizers(self):
+        # lr 0: parameters stay at their initial values, so every window's reference gradient is at those values.
+        return torch.optim.SGD(self.gen.parameters(), lr=0.0), torch.optim.SGD(self.disc.parameters(), lr=0.0)
+
+
+def test_one_helper_per_optimizer_touches_only_its_own_parameters(tmp_path):
+    dataset = TokenDataset(24, lengths=[1, 5, 2, 6, 3, 4] * 4)
+    model = TwoOptimizers(k_gen=2, k_disc=3)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loader = DataLoader(dataset, batch_size=4)
+    make_trainer(tmp_path).fit(model, loader)
+    batches = list(loader)
+
+    assert model.windows["gen"] == [[0, 1], [2, 3], [4, 5]]
+    assert model.windows["disc"] == [[0, 1, 2], [3, 4, 5]]
+    for name in ("gen", "disc"):
+        layer = nn.Linear(5, 1)
+        layer.load_state_dict({k.split(".", 1)[1]: v for k, v in initial.items() if k.startswith(name + ".")})
+        for window, grads in zip(model.windows[name], model.grads[name], strict=True):
+            layer.zero_grad()
+            window_batch = {key: torch.cat([batches[i][key] for i in window]) for key in batches[0]}
+            token_mean_loss(layer, window_batch).backward()
+            for param_name, param in layer.named_parameters():
+                torch.testing.assert_close(grads[param_name], param.grad, **FP32)
+
+
+def test_several_optimizers_without_optimizer_is_a_clear_error(tmp_path):
+    class Unnamed(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            self.gen_accumulation.backward(self, token_mean_loss(self.gen, batch), batch)
+
+    with pytest.raises(ValueError, match=r"needs `optimizer=`: this LightningModule has 2 optimizers"):
+        make_trainer(tmp_path).fit(Unnamed(2, 2), DataLoader(TokenDataset(8, lengths=[2] * 8), batch_size=4))
