@@ -1,6 +1,7 @@
 """The main job: train the example language model in split mode and show what accumulation did.
 
-    python3 -m pip install tox && python3 -m tox -e demo          # or, in an environment with lightning-accum[wandb,report]:
+    python3 -m pip install tox && python3 -m tox -e demo
+    # or, in an environment with lightning-accum[wandb,report]:
     python examples/demo.py [--steps 60] [--output-dir demo_output] [--no-simulated-oom]
 
 A byte-level transformer (examples/char_lm) learns from Python's own documentation topics. The dataloader yields
