@@ -13,18 +13,20 @@ but cannot be written in a YAML config, nor pickled for ``ddp_spawn``; the small
               class_path: lightning_accum.items.CountTokens
               init_args: {key: labels, ignore_index: -100}
 
-Counters return an integer tensor on the batch's device where they can, so counting never waits for the device.
+Counters return a tensor on the batch's device where they can, so counting never waits for the device. A counter of
+your own may return an int, a float (a weighted count, e.g. the sum of a float loss mask), a NumPy number or a
+single-element tensor; see `lightning_accum.normalization.count_items`.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
+from lightning_accum._validation import import_object
 from lightning_accum.normalization import batch_size_of
 
 
@@ -85,7 +87,7 @@ class CountTokens:
 
 
 class CountSamples:
-    """Counts samples: the first dimension of the batch's first tensor (what the callbacks do by default).
+    """Counts samples, as the callbacks do by default: `lightning_accum.splitting.batch_size_of`.
 
     It exists so that a config can name the default explicitly, or a base class can override it.
 
@@ -131,7 +133,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
     if spec is None:
         return None
     if isinstance(spec, str):
-        target = _import_path(spec)
+        target = import_object(spec, "count_items")
         if inspect.isclass(target):
             target = target()
         if not callable(target):
@@ -146,28 +148,6 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
         f"`count_items` must be a function of a batch, an import path such as 'lightning_accum.items.CountTokens',"
         f" or None, got {spec!r} of type {type(spec).__name__}."
     )
-
-
-def _import_path(path: str) -> Any:
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise ValueError(
-            f"`count_items={path!r}` is not an import path. Write 'package.module.function' or"
-            " 'package.module:function'."
-        )
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"`count_items={path!r}`: cannot import module {module_name!r} ({err}).") from err
-    for attr in attr_path.split("."):
-        try:
-            target = getattr(target, attr)
-        except AttributeError as err:
-            raise ValueError(f"`count_items={path!r}`: {module_name!r} has no attribute {attr_path!r}.") from err
-    return target
 
 
 def _lookup(batch: Any, key: str | int) -> Any:

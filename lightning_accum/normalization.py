@@ -21,16 +21,22 @@ This module needs no Trainer; `WindowNormalizer` is shared by window mode, split
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+# `batch_size_of` reads a batch the way `split_batch` cuts it, so it lives with it; it is part of this module's API.
+from lightning_accum.splitting import batch_size_of as batch_size_of
+
 LossReduction = Literal["mean", "sum"]
-# Returns an int or an integer tensor. The return type stays `Any` on purpose: jsonargparse (LightningCLI) reads
-# `Callable[..., int | Tensor]` as "a factory of Tensors" and would refuse counters given in YAML.
+# Returns a non-negative int, float, NumPy number or single-element tensor. The return type stays `Any` on purpose:
+# jsonargparse (LightningCLI) reads `Callable[..., int | Tensor]` as "a factory of Tensors" and would refuse counters
+# given in YAML.
 ItemCounter = Callable[[Any], Any]
 
 
@@ -43,72 +49,98 @@ def check_loss_reduction(loss_reduction: Any) -> LossReduction:
     return loss_reduction  # type: ignore[no-any-return]
 
 
-def batch_size_of(batch: Any) -> int:
-    """Number of samples in a batch: the first dimension of its first tensor, or the length of a sequence.
-
-    Examples:
-        >>> batch_size_of({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
-        3
-        >>> batch_size_of([torch.zeros(5, 2), torch.zeros(5)])
-        5
-    """
-    tensor = _first_tensor(batch)
-    if tensor is not None:
-        return int(tensor.shape[0]) if tensor.dim() > 0 else 1
-    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        return len(batch)
-    raise TypeError(
-        f"Cannot tell how many samples are in a batch of type {type(batch).__name__}: it holds no tensor."
-        " Pass `count_items=` a function that returns the number of items in a batch."
-    )
-
-
-def _first_tensor(obj: Any) -> Tensor | None:
-    if isinstance(obj, Tensor):
-        return obj
-    if isinstance(obj, Mapping):
-        values: Iterable[Any] = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        values = obj
-    elif hasattr(obj, "__dataclass_fields__"):
-        values = (getattr(obj, f) for f in obj.__dataclass_fields__)
-    else:
-        return None
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
-
-
-def count_items(batch: Any, counter: ItemCounter | None) -> int | Tensor:
+def count_items(batch: Any, counter: ItemCounter | None) -> int | float | Tensor:
     """Count the items in ``batch`` with the user's ``counter`` (samples when ``None``), checking what it returns.
 
-    A tensor count stays a tensor so that counting never waits for the device; its sign is checked at the step.
+    A count is a non-negative number: an int, a float (a weighted count, such as the sum of a float loss mask or of
+    sample weights; the window mean is then the weighted mean), a NumPy number, or a single-element tensor. A tensor
+    count stays a tensor so that counting never waits for the device: on the CPU it is checked at once, elsewhere at
+    the optimizer step (negative, NaN and inf are refused there, on every rank).
+
+    Raises:
+        TypeError: the count is not a number (a bool, a string, a tensor or array of several elements, a boolean or
+            complex tensor).
+        ValueError: the count is negative, NaN or infinite.
 
     Examples:
         >>> labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
         >>> count_items({"labels": labels}, lambda b: (b["labels"] != -100).sum())
         tensor(3)
+        >>> count_items({"loss_mask": torch.tensor([[1.0, 1.0, 0.0]])}, lambda b: b["loss_mask"].sum())
+        tensor(2.)
     """
     if counter is None:
         return batch_size_of(batch)
-    value = counter(batch)
+    return _check_count(counter(batch))
+
+
+def _check_count(value: Any) -> int | float | Tensor:
+    np = sys.modules.get("numpy")  # only if the user's code already imported it
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
+        value = _from_numpy(value)
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
-                "`count_items` must return a non-negative int or a single-element integer tensor, got a tensor of"
-                f" shape {tuple(value.shape)} and dtype {value.dtype}. Reduce it with `.sum()` over an integer or"
-                " boolean mask, e.g. `lambda b: (b['labels'] != -100).sum()`."
-            )
-        return value.reshape(())
-    if isinstance(value, bool) or not isinstance(value, int):
+        return _check_tensor_count(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"`count_items` must return a non-negative int or a single-element integer tensor, got {value!r} of type"
-            f" {type(value).__name__}."
+            "`count_items` must return a non-negative number of items: an int, a float (a weighted count such as"
+            " `loss_mask.sum()` over a float mask), a NumPy number or a single-element tensor; got"
+            f" {value!r} of type {type(value).__name__}."
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(_NOT_FINITE.format(value=value))
     if value < 0:
-        raise ValueError(f"`count_items` must return a non-negative count, got {value} for a micro-batch.")
+        raise ValueError(_NEGATIVE.format(value=value))
+    return value
+
+
+_NEGATIVE = (
+    "`count_items` returned a negative count for a micro-batch: it must return a non-negative count, got {value}."
+    " It must count items, e.g. `lambda b: (b['labels'] != -100).sum()`, or sum non-negative weights."
+)
+_NOT_FINITE = (
+    "`count_items` returned {value} for a micro-batch: a count must be finite. Look for a NaN or inf in the mask or"
+    " weights it sums, or a division by zero."
+)
+
+
+def _from_numpy(value: Any) -> Any:
+    if value.size != 1:
+        raise TypeError(
+            f"`count_items` must return a single number, got an array of shape {value.shape}. Reduce it with `.sum()`."
+        )
+    kind = value.dtype.kind
+    if kind in "iu":
+        return int(value.reshape(()).item())
+    if kind == "f":
+        return float(value.reshape(()).item())
+    raise TypeError(
+        f"`count_items` must return an integer or a float, got a NumPy value of dtype {value.dtype}. Sum a mask"
+        " to count it, e.g. `mask.sum()`."
+    )
+
+
+def _check_tensor_count(value: Tensor) -> Tensor:
+    if value.numel() != 1:
+        raise TypeError(
+            f"`count_items` must return a single number, got a tensor of shape {tuple(value.shape)} and dtype"
+            f" {value.dtype}. Reduce it with `.sum()`, e.g. `lambda b: (b['labels'] != -100).sum()`."
+        )
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(
+            f"`count_items` returned a tensor of dtype {value.dtype}; it must return an integer or a float count."
+            " Sum a boolean mask to count it, e.g. `lambda b: (b['labels'] != -100).sum()`."
+        )
+    value = value.reshape(())
+    if value.is_floating_point() and value.dtype in (torch.float16, torch.bfloat16):
+        # Half-precision sums round (bf16 above 256): keep the window total in float32, exact on these values.
+        value = value.float()
+    if value.device.type == "cpu":
+        # Free to read here; a count on an accelerator is checked at the step instead, without a sync per micro-batch.
+        number = value.item()
+        if not math.isfinite(number):
+            raise ValueError(_NOT_FINITE.format(value=number))
+        if number < 0:
+            raise ValueError(_NEGATIVE.format(value=number))
     return value
 
 
@@ -149,8 +181,8 @@ class WindowNormalizer:
         # Reference scale r; see the module docstring. Derived from global counts only, so equal on all ranks.
         self.scale = 1.0
         self._accumulation_steps = 1
-        self._items: Tensor | int = 0
-        self._min_items: Tensor | int = 0
+        self._items: Tensor | float = 0
+        self._min_items: Tensor | float = 0
         self._samples = 0
         self._micro_batches = 0
 
@@ -167,7 +199,7 @@ class WindowNormalizer:
         self._samples = 0
         self._micro_batches = 0
 
-    def add_micro_batch(self, n_items: int | Tensor, n_samples: int) -> float | Tensor:
+    def add_micro_batch(self, n_items: float | Tensor, n_samples: int) -> float | Tensor:
         """Record a micro-batch and return ``w_i``, the weight its loss gradient must be multiplied by.
 
         The weight is a tensor when ``n_items`` is one (no host sync), a float otherwise.
@@ -210,7 +242,7 @@ class WindowNormalizer:
                 torch.as_tensor(self._items, dtype=torch.float64, device=device),
                 torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
                 torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
-                (torch.as_tensor(self._min_items, device=device) < 0).to(torch.float64),
+                self._bad_count_flag(device),
             ]
         )
         totals = sum_across_ranks(local) if sum_across_ranks is not None else local
@@ -219,8 +251,8 @@ class WindowNormalizer:
         if negative_ranks:
             # Raised on every rank at once (the flag was summed), so no rank is left waiting in a collective.
             raise ValueError(
-                "`count_items` returned a negative count for a micro-batch of this window. It must count items,"
-                " e.g. `lambda b: (b['labels'] != -100).sum()`."
+                "`count_items` returned a negative count, NaN or inf for a micro-batch of this window. It must count"
+                " items, e.g. `lambda b: (b['labels'] != -100).sum()`, or sum finite non-negative weights."
             )
         params = [p for p in parameters if p.grad is not None]
         if items <= 0:
@@ -234,6 +266,12 @@ class WindowNormalizer:
             # Next window's r: the mean items per micro-batch per rank, so weights stay near 1/k.
             self.scale = items / max(1.0, micro_batches)
         return WindowTotals(items=items, samples=int(samples), micro_batches=int(micro_batches), factor=factor)
+
+    def _bad_count_flag(self, device: torch.device) -> Tensor:
+        # 1.0 when a count of this window was negative, NaN or inf (float counts can be all three); read at the step.
+        smallest = torch.as_tensor(self._min_items, device=device)
+        total = torch.as_tensor(self._items, dtype=torch.float64, device=device)
+        return (~(smallest >= 0) | ~torch.isfinite(total)).to(torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale}

@@ -143,3 +143,10 @@ def test_resolve_counter_passes_callables_through() -> None:
 def test_resolve_counter_explains_bad_specs(spec: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         resolve_counter(spec)
+
+
+def test_count_samples_reads_the_batch_as_the_callbacks_do() -> None:
+    # A 0-dim value first, and a list of (image, target) samples: the count is the samples, not 1 or the channels.
+    assert CountSamples()({"temperature": torch.tensor(0.5), "x": torch.zeros(6, 2)}) == 6
+    detection = [(torch.zeros(3, 8, 8), {"boxes": torch.zeros(i + 1, 4)}) for i in range(5)]
+    assert CountSamples()(detection) == 5

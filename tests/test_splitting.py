@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accum.splitting import num_micro_batches, split_batch
+from lightning_accum.splitting import batch_size_of, num_micro_batches, split_batch
 
 B = 10
 
@@ -266,3 +266,140 @@ def test_mapping_that_cannot_be_rebuilt():
 def test_micro_batch_size_validation(micro: Any, error: type[Exception], match: str):
     with pytest.raises(error, match=match):
         split_batch(_x(B), micro)
+
+
+# ---- per-sample batches: detection and other list collates -----------------------------------------------------------
+
+
+def _image(i: int) -> torch.Tensor:
+    return torch.full((3, 4, 4), float(i))
+
+
+def _target(i: int, n_boxes: int | None = None) -> dict[str, torch.Tensor]:
+    n = i % 4 + 1 if n_boxes is None else n_boxes
+    return {"boxes": torch.full((n, 4), float(i)), "labels": torch.full((n,), i)}
+
+
+def _samples(n: int = B, n_boxes: int | None = None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """What ``DataLoader(collate_fn=list)`` yields for a torchvision detection dataset."""
+    return [(_image(i), _target(i, n_boxes)) for i in range(n)]
+
+
+def _zipped(n: int = B, n_boxes: int | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """torchvision's detection collate, ``tuple(zip(*batch))``: a tuple of images and a tuple of targets."""
+    return tuple(zip(*_samples(n, n_boxes), strict=True))  # type: ignore[return-value]
+
+
+def _ids(chunk: Any) -> list[int]:
+    """The sample ids in a chunk of any of the detection forms (every tensor of sample i is filled with i)."""
+    if isinstance(chunk, list) and chunk and isinstance(chunk[0], tuple):
+        return [int(image[0, 0, 0]) for image, _ in chunk]
+    images, targets = chunk
+    ids = [int(image[0, 0, 0]) for image in images]
+    assert ids == [int(t["labels"][0]) for t in targets]
+    return ids
+
+
+DETECTION_FORMS = {
+    "samples": _samples,
+    "zip": _zipped,
+    "zip-lists": lambda n=B, n_boxes=None: [list(part) for part in _zipped(n, n_boxes)],
+    "stacked-images": lambda n=B, n_boxes=None: (torch.stack(_zipped(n, n_boxes)[0]), list(_zipped(n, n_boxes)[1])),
+}
+
+
+@pytest.mark.parametrize("form", list(DETECTION_FORMS))
+@pytest.mark.parametrize("n_boxes", [None, 1, 3, 4], ids=["varying-boxes", "1-box", "3-boxes", "4-boxes"])
+@pytest.mark.parametrize(("n", "micro"), [(B, 4), (B, 3), (5, 2), (4, 4), (3, 2), (2, 1), (1, 1), (1, 4)])
+def test_detection_batches_are_cut_by_sample(form: str, n_boxes: int | None, n: int, micro: int):
+    # 3 boxes per image matches the 3 image channels and 4 boxes the 4 box coordinates: neither may be read as the
+    # batch dimension, and neither may the channels when the batch has 3 images.
+    batch = DETECTION_FORMS[form](n, n_boxes)
+    assert batch_size_of(batch) == n
+    chunks = split_batch(batch, micro)
+    assert [_ids(c) for c in chunks] == [list(range(s, min(s + micro, n))) for s in range(0, n, micro)]
+    for chunk in chunks:
+        assert type(chunk) is type(batch)
+        assert batch_size_of(chunk) == len(_ids(chunk))
+
+
+def test_detection_targets_keep_their_boxes_whole():
+    batch = _zipped(6)
+    chunks = split_batch(batch, 4)
+    assert [t["boxes"].shape[0] for t in chunks[1][1]] == [1, 2]  # samples 4 and 5: boxes are never cut
+    assert all(a is b for a, b in zip(chunks[0][1] + chunks[1][1], batch[1], strict=True))  # the same dicts
+
+
+def test_per_sample_dicts_under_a_batched_tensor_are_cut_by_entry_even_when_box_counts_equal_the_batch_size():
+    # Each of the 4 images has 4 boxes: cutting the boxes' rows would also "fit", but the list holds one dict per image.
+    batch = {"images": torch.zeros(4, 3, 8, 8), "targets": [_target(i, n_boxes=4) for i in range(4)]}
+    chunks = split_batch(batch, 2)
+    assert [[int(t["labels"][0]) for t in c["targets"]] for c in chunks] == [[0, 1], [2, 3]]
+    assert all(t["boxes"].shape == (4, 4) for c in chunks for t in c["targets"])
+
+
+def test_a_list_of_per_sample_dicts_is_a_batch_of_samples():
+    batch = [{"image": _image(i), "label": torch.tensor(i)} for i in range(5)]  # DataLoader(collate_fn=list)
+    assert batch_size_of(batch) == 5
+    assert [[int(s["label"]) for s in c] for c in split_batch(batch, 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_list_of_0_dim_labels_is_per_sample():
+    batch = {"x": _x(4, 2), "labels": [torch.tensor(i) for i in range(4)]}
+    assert [[int(v) for v in c["labels"]] for c in split_batch(batch, 3)] == [[0, 1, 2], [3]]
+
+
+def test_fields_of_equal_shape_stay_fields():
+    # (input_ids, attention_mask): two tensors of one shape are fields of one batch, not two samples.
+    ids, mask = _x(B, 6), _x(B, 6)
+    assert batch_size_of((ids, mask)) == B
+    assert [c[0].shape[0] for c in split_batch((ids, mask), 4)] == [4, 4, 2]
+    assert batch_size_of([_x(2, 5), _x(2, 5)]) == 2  # also when the batch size equals their number
+
+
+def test_a_0_dim_tensor_first_does_not_set_the_batch_size():
+    batch = {"temperature": torch.tensor(0.5), "x": _x(B, 2), "y": _x(B)}
+    chunks = split_batch(batch, 4)
+    assert [c["x"].shape[0] for c in chunks] == [4, 4, 2]
+    assert all(c["temperature"] is batch["temperature"] for c in chunks)
+
+
+def test_a_known_batch_size_chooses_the_reading():
+    # A list of 2 entries of one structure, each a batch of 6 rows: 2 samples, or 2 fields of 6 samples?
+    # Read alone it is 2 samples; a batch size of 6 from a hook makes it 2 fields.
+    batches = [(_x(6, 2), _x(6)), (_x(6, 2), _x(6))]
+    assert batch_size_of(batches) == 2
+    chunks = split_batch(batches, 4, batch_size=6)
+    assert [[part[0].shape[0] for part in c] for c in chunks] == [[4, 4], [2, 2]]
+    with pytest.raises(ValueError, match=r"batch size 5.*`batch_size=`"):
+        split_batch(batches, 4, batch_size=5)
+
+
+def test_a_batch_with_two_readings_of_equal_standing_is_refused():
+    # Two views of 8 samples and their names: 2 views of 8 samples, or 2 samples (each a view and a name)?
+    batch = {"views": [_x(8, 3), _x(8, 3)], "names": ["crop", "flip"]}
+    readings = r"2 samples \(`batch\['names'\]`, `batch\['views'\]` one entry per sample\) or as 8 samples"
+    with pytest.raises(ValueError, match=rf"can be read as {readings}.*`batch_size_of=`"):
+        batch_size_of(batch)
+    assert [c["views"][0].shape[0] for c in split_batch(batch, 4, batch_size=8)] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [BATCHES[name] for name in BATCHES]
+    + [_samples(), _zipped(), {"x": _x(B), "ids": list(range(B))}, {"s": torch.tensor(1.0), "x": _x(B, 2)}],
+)
+def test_batch_size_of_and_split_batch_agree(batch: Any):
+    chunks = split_batch(batch, 3)
+    assert sum(batch_size_of(c) for c in chunks) == batch_size_of(batch) == B
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.x = _x(B)
+        self.batch_size = B
+
+
+def test_a_custom_batch_object_cannot_be_cut_by_the_built_in_rules():
+    with pytest.raises(TypeError, match=r"Cannot split a batch of type Custom.*`split_batch=`.*LightningModule"):
+        split_batch(Custom(), 4)

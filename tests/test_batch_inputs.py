@@ -1,0 +1,250 @@
+"""Batches users really have, end to end: each step's gradient equals the full-batch reference.
+
+Window mode (`AccumulationScheduler`) reads every micro-batch's sample count with `batch_size_of` and its item count
+with `count_items`; split mode (`AutoMicroBatching`) also cuts the step batch with `split_batch`. These tests feed
+those functions batches that broke them: a 0-dim tensor placed first, a float loss mask, a custom batch object, and
+per-sample detection batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from lightning_accum import AccumulationScheduler, AutoMicroBatching
+from tests.helpers import (
+    IndexedDataset,
+    RegressionModel,
+    TokenDataset,
+    TokenModel,
+    assert_grads_close,
+    count_tokens,
+    make_trainer,
+    mse_loss,
+    replay_reference,
+    token_loss,
+)
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+# ---- a 0-dim tensor first in a dict batch (window mode) -------------------------------------------------------------
+
+
+def _with_shared_scalar_first(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    # A value shared by the whole micro-batch, placed before the per-sample tensors (dicts keep insertion order).
+    return {"temperature": torch.tensor(0.5), **default_collate(samples)}
+
+
+def test_a_0_dim_tensor_first_in_the_batch_does_not_set_the_batch_size(tmp_path):
+    # 10 samples in micro-batches of 4, 4 and 2, one window of k=3: reading each micro-batch as 1 sample would
+    # weight the 2-sample micro-batch like the others (a mean of means) and count 3 consumed samples.
+    dataset = IndexedDataset(10)
+    model = RegressionModel()
+    initial = copy.deepcopy(model)
+    scheduler = AccumulationScheduler(3)
+    loader = DataLoader(dataset, batch_size=4, collate_fn=_with_shared_scalar_first)
+    make_trainer(tmp_path, [scheduler]).fit(model, loader)
+
+    assert model.step_indices == [list(range(10))]
+    assert scheduler.accumulation_state.consumed_samples == 10
+    assert scheduler.accumulation_state.samples_per_step == 10
+    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
+    assert_grads_close(model.step_grads, expected, **FP32)
+
+
+# ---- float item counts (window mode) --------------------------------------------------------------------------------
+
+
+def _float_weights(dataset: TokenDataset, kind: str) -> TokenDataset:
+    if kind == "megatron-mask":
+        dataset.mask = dataset.mask.float()  # Megatron's loss mask: 0.0 / 1.0
+    else:
+        g = torch.Generator().manual_seed(1)
+        dataset.mask = dataset.mask.float() * torch.empty(dataset.mask.shape).uniform_(0.25, 2.0, generator=g)
+    return dataset
+
+
+@pytest.mark.parametrize("kind", ["megatron-mask", "sample-weights"])
+def test_float_item_counts_give_the_exact_weighted_mean(tmp_path, kind):
+    # `count_items` returns `mask.sum()` over a float mask; the loss is sum(w * l) / sum(w) per micro-batch, and the
+    # window's gradient must be that of sum(w * l) / sum(w) over the whole window, not a mean of the ratios.
+    dataset = _float_weights(TokenDataset(30), kind)
+    model = TokenModel(lr=0.05)
+    initial = copy.deepcopy(model)
+    scheduler = AccumulationScheduler(3, count_items=count_tokens)
+    make_trainer(tmp_path, [scheduler]).fit(model, DataLoader(dataset, batch_size=4))
+
+    assert len(model.step_grads) == 3  # 8 micro-batches: windows of 3, 3, 2
+    expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
+    assert_grads_close(model.step_grads, expected, **FP32)
+    last_window = dataset.mask[model.step_indices[-1]]
+    assert scheduler.accumulation_state.items_per_step == pytest.approx(float(last_window.double().sum()), rel=1e-6)
+
+
+def test_float_item_counts_are_not_a_mean_of_means(tmp_path):
+    # Guard that the float test can fail: weighting each micro-batch by its sample count gives another gradient.
+    dataset = _float_weights(TokenDataset(30), "sample-weights")
+    model = TokenModel(lr=0.05)
+    initial = copy.deepcopy(model)
+    make_trainer(tmp_path, [AccumulationScheduler(3)]).fit(model, DataLoader(dataset, batch_size=4))
+    expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
+    with pytest.raises(AssertionError):
+        assert_grads_close(model.step_grads, expected, **FP32)
+
+
+# ---- custom batch objects (window mode) -----------------------------------------------------------------------------
+
+
+class RegressionBatch:
+    """A custom batch object, as some codebases use: attributes, no mapping or sequence interface."""
+
+    def __init__(self, x: Tensor, y: Tensor, index: Tensor) -> None:
+        self.x, self.y, self.index = x, y, index
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.x)
+
+
+class SizedRegressionBatch(RegressionBatch):
+    batch_size = None  # type: ignore[assignment]  # no `batch_size`: the count comes from `len`
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def _collate_into(cls: type[RegressionBatch]):
+    def collate(samples: list[dict[str, Tensor]]) -> RegressionBatch:
+        batch = default_collate(samples)
+        return cls(batch["x"], batch["y"], batch["index"])
+
+    return collate
+
+
+class AttributeRegressionModel(RegressionModel):
+    def training_step(self, batch: RegressionBatch, batch_idx: int) -> Tensor:
+        self._window_indices.extend(batch.index.tolist())
+        return nn.functional.mse_loss(self.layer(batch.x), batch.y)
+
+
+@pytest.mark.parametrize("batch_cls", [RegressionBatch, SizedRegressionBatch], ids=["batch_size", "len"])
+@pytest.mark.parametrize("count_items", [None, lambda b: b.x.shape[0]], ids=["samples", "count_items"])
+def test_custom_batch_objects_count_their_samples(tmp_path, batch_cls, count_items):
+    dataset = IndexedDataset(10)
+    model = AttributeRegressionModel()
+    initial = copy.deepcopy(model)
+    scheduler = AccumulationScheduler(3, count_items=count_items)
+    loader = DataLoader(dataset, batch_size=4, collate_fn=_collate_into(batch_cls))
+    make_trainer(tmp_path, [scheduler]).fit(model, loader)
+
+    assert scheduler.accumulation_state.consumed_samples == 10
+    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
+    assert_grads_close(model.step_grads, expected, **FP32)
+
+
+class OpaqueBatch:
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        self.x, self.y = x, y
+
+
+def test_a_custom_batch_without_a_sample_count_names_the_hooks(tmp_path):
+    def collate(samples):
+        batch = default_collate(samples)
+        return OpaqueBatch(batch["x"], batch["y"])
+
+    class Model(RegressionModel):
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.layer(batch.x), batch.y)
+
+    scheduler = AccumulationScheduler(2, count_items=lambda b: b.x.shape[0])
+    trainer = make_trainer(tmp_path, [scheduler])
+    with pytest.raises(TypeError, match=r"OpaqueBatch.*`batch_size` attribute.*`__len__`.*`batch_size_of=`") as info:
+        trainer.fit(Model(), DataLoader(IndexedDataset(8), batch_size=4, collate_fn=collate))
+    assert "pass `count_items`" not in str(info.value).lower()
+
+
+# ---- per-sample detection batches (split mode) ----------------------------------------------------------------------
+
+IMAGE = (3, 4, 4)
+
+
+class DetectionDataset(Dataset):
+    """torchvision-style detection samples: an image and a dict of boxes and labels, 1 to 4 boxes per image."""
+
+    def __init__(self, n: int = 10, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.samples = []
+        for i in range(n):
+            n_boxes = 1 + i % 4
+            target = {"boxes": torch.rand(n_boxes, 4, generator=g), "labels": torch.arange(n_boxes)}
+            self.samples.append((torch.randn(*IMAGE, generator=g), target))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.samples[i]
+
+
+def detection_loss(model: nn.Module, images: Any, targets: Any) -> Tensor:
+    """Mean over images of each image's mean squared box error: a per-sample loss, averaged over samples."""
+    losses = []
+    for image, target in zip(images, targets, strict=True):
+        predicted = model.layer(image.flatten())
+        losses.append(((predicted - target["boxes"]) ** 2).mean())
+    return torch.stack(losses).mean()
+
+
+class DetectionModel(RegressionModel):
+    def __init__(self, form: str) -> None:
+        super().__init__(dim=3 * 4 * 4)
+        self.layer = nn.Linear(3 * 4 * 4, 4)
+        self.form = form
+        self.split_mode = True
+        self.micro_batch_sizes: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        images, targets = zip(*batch, strict=True) if self.form == "samples" else batch
+        self.micro_batch_sizes.append(len(images))
+        return detection_loss(self, images, targets)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+def _collate(form: str):
+    if form == "samples":
+        return list  # a list of (image, target) samples
+    return lambda samples: tuple(zip(*samples, strict=True))  # torchvision's detection collate: (images, targets)
+
+
+@pytest.mark.parametrize("form", ["samples", "zip"])
+def test_detection_batches_are_split_into_exact_micro_batches(tmp_path, form):
+    dataset = DetectionDataset(10)
+    model = DetectionModel(form)
+    initial = copy.deepcopy(model)
+    callback = AutoMicroBatching(2)
+    loader = DataLoader(dataset, batch_size=5, collate_fn=_collate(form))
+    make_trainer(tmp_path, [callback]).fit(model, loader)
+
+    assert model.micro_batch_sizes == [2, 2, 1, 2, 2, 1]  # two steps of 5 images
+    assert callback.accumulation_state.samples_per_step == 5
+    expected = []
+    reference = copy.deepcopy(initial)
+    for step in range(2):
+        images, targets = zip(*[dataset[i] for i in range(5 * step, 5 * step + 5)], strict=True)
+        reference.zero_grad(set_to_none=True)
+        detection_loss(reference, images, targets).backward()
+        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        expected.append(grads)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p -= 0.1 * grads[name]
+    assert_grads_close(model.step_grads, expected, **FP32)
