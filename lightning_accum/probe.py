@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib
+import inspect
 import json
 import math
 import warnings
@@ -98,14 +99,29 @@ def load_cli_config(
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: if the model section is missing, or a section has no ``class_path`` and no class was given.
+        ValueError: if the file is not YAML, the model section is missing, or a section has no ``class_path`` and no
+            class was given.
     """
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"`config`={str(path)!r} does not exist. Pass the YAML file given to LightningCLI.")
-    config = yaml.safe_load(path.read_text()) or {}
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ValueError(
+            f"`config`={str(path)!r} is not valid YAML: {problem}{where}. Fix the file, or pass the YAML file given "
+            "to LightningCLI."
+        ) from err
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"`config`={str(path)!r} holds a {type(config).__name__}, not a mapping of sections. Pass the YAML file "
+            "given to LightningCLI."
+        )
     sections: dict[str, dict[str, Any]] = {}
     for name, cls, flag in (("model", model_class, "--model"), ("data", data_class, "--data")):
         section = config.get(name)
@@ -133,10 +149,30 @@ def load_cli_config(
     )
 
 
+def _check_init_args(target: Any, kwargs: Mapping[str, Any], argument: str, *leading: Any) -> None:
+    """Raise a `TypeError` naming ``argument`` when ``target(*leading, **kwargs)`` would not bind."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # no signature to check against (some builtins): the call itself will say
+        return
+    try:
+        signature.bind(*leading, **kwargs)
+    except TypeError as err:
+        name = getattr(target, "__qualname__", type(target).__name__)
+        empty = inspect.Parameter.empty
+        plain = signature.replace(
+            parameters=[p.replace(annotation=empty) for p in signature.parameters.values()], return_annotation=empty
+        )
+        raise TypeError(
+            f"`{argument}`={dict(kwargs)!r} does not fit {name}{plain}: {err}. Pass only the arguments it takes."
+        ) from None
+
+
 def _module_factory(module: ModuleSpec, init_args: Mapping[str, Any] | None) -> Callable[[], nn.Module]:
     kwargs = dict(init_args or {})
     if isinstance(module, str):
         target = import_object(module, "module")
+        _check_init_args(target, kwargs, "module_init_args")
         return lambda: target(**copy.deepcopy(kwargs))
     if isinstance(module, nn.Module):
         if kwargs:
@@ -147,6 +183,7 @@ def _module_factory(module: ModuleSpec, init_args: Mapping[str, Any] | None) -> 
         template = module
         return lambda: copy.deepcopy(template)
     if callable(module):
+        _check_init_args(module, kwargs, "module_init_args")
         return lambda: module(**copy.deepcopy(kwargs))
     raise TypeError(
         f"`module` must be an nn.Module, a callable returning one, or an import path 'pkg.mod:Class', got "
@@ -160,11 +197,13 @@ def _batch_factory(data: DataSpec, init_args: Mapping[str, Any] | None, batch_si
     if isinstance(data, str):
         data = import_object(data, "data")
     if isinstance(data, type):  # a datamodule class: build it with the init args
+        _check_init_args(data, kwargs, "data_init_args")
         data = data(**kwargs)
         kwargs = {}
     if hasattr(data, "train_dataloader"):  # a LightningDataModule, duck-typed
         return _datamodule_batches(data, batch_size)
     if callable(data):
+        _check_init_args(data, kwargs, "data_init_args", batch_size)
         factory = data
         return lambda start, size: factory(size, **kwargs)
     raise TypeError(
@@ -560,6 +599,26 @@ def _signed(value: float, positive: str, negative: str) -> str:
 # ---- the measurement -------------------------------------------------------------------------------------------------
 
 
+def _check_module(model: Any) -> None:
+    """Raise if the probe cannot train ``model``: run on one instance before anything is measured."""
+    name = type(model).__name__
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"`module` must build an nn.Module with `training_step` and `configure_optimizers` (a LightningModule), "
+            f"got {name}."
+        )
+    for hook in ("training_step", "configure_optimizers"):
+        if not callable(getattr(model, hook, None)):
+            raise TypeError(f"`module` {name} has no `{hook}` method; pass a LightningModule.")
+    if not getattr(model, "automatic_optimization", True):
+        raise RuntimeError(
+            f"`module` {name} uses manual optimization (`automatic_optimization = False`); the probe drives "
+            "`training_step` itself and needs automatic optimization. Probe a variant with it on."
+        )
+    if not _optimizers_of(model.configure_optimizers()):
+        raise ValueError(f"`module` {name}: `configure_optimizers` returned no optimizer.")
+
+
 def _measure(
     make_module: Callable[[], nn.Module],
     make_batch: Callable[[int, int], Any],
@@ -578,17 +637,7 @@ def _measure(
     torch.manual_seed(seed)
     model = make_module().to(device)  # a fresh copy: no state carried over from another configuration
     model.train()
-    if not getattr(model, "automatic_optimization", True):
-        raise RuntimeError(
-            f"`module` {type(model).__name__} uses manual optimization (`automatic_optimization = False`); the probe "
-            "drives `training_step` itself and needs automatic optimization. Probe a variant with it on."
-        )
-    for hook in ("training_step", "configure_optimizers"):
-        if not callable(getattr(model, hook, None)):
-            raise TypeError(f"`module` {type(model).__name__} has no `{hook}` method; pass a LightningModule.")
     optimizers = _optimizers_of(model.configure_optimizers())
-    if not optimizers:
-        raise ValueError(f"`module` {type(model).__name__}: `configure_optimizers` returned no optimizer.")
     param_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     # Batches are built before measuring, on the CPU, so the data pipeline's own memory stays out of the peak; each
@@ -665,6 +714,9 @@ def probe_memory(
     the sorted list and predicting the others, so both interpolation and, when the largest size is held out,
     extrapolation are tested.
 
+    Every check of the arguments and of the module (on one throwaway instance) runs before anything is measured; only
+    a ``training_step`` that returns no loss is found at the first step.
+
     Args:
         module: a LightningModule (copied for each configuration), a callable that returns a fresh one, or an import
             path ``"pkg.mod:Class"`` instantiated with ``module_init_args``. Anything with ``training_step`` and
@@ -687,9 +739,12 @@ def probe_memory(
         a `ProbeResult`.
 
     Raises:
-        TypeError: if an argument has the wrong type, or the module lacks ``training_step``.
-        ValueError: if ``k`` does not divide ``B``, a size is below 1, or the module returns no loss.
+        TypeError: if an argument has the wrong type, init args do not fit the class or factory they are for, or
+            the module lacks ``training_step``.
+        ValueError: if ``k`` does not divide ``B``, a size is below 1, the module has no optimizer, or it returns
+            no loss.
         RuntimeError: if the module uses manual optimization.
+        ImportError: if an import path names no module or attribute.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -733,6 +788,7 @@ def probe_memory(
     configs = list(dict.fromkeys(configs))  # drop repeats, keep order
 
     make_module = _module_factory(module, module_init_args)
+    _check_module(make_module())  # on a throwaway instance, so that a wrong module fails before any measuring
     largest = max(b for b, _ in configs)
     make_batch = _batch_factory(data, data_init_args, max(batch_size, largest))
     measurements = []

@@ -209,3 +209,95 @@ def test_fit_from_the_split_config(tmp_path: Path) -> None:
     assert cli.trainer.global_step == 3
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     assert splitter.accumulation_state.samples_per_step == 16
+
+
+# An override of one argument of each shipped config's accumulation callback, and what the callback must then hold.
+# `--trainer.callbacks.ARG=VALUE` applies to the last callback of the list (jsonargparse), so the owner goes last.
+SHIPPED_OVERRIDES: dict[str, tuple[str, str, Any]] = {
+    "split_auto.yaml": ("--trainer.callbacks.max_memory=1GiB", "max_memory", 2**30),
+    "window_ramp.yaml": ("--trainer.callbacks.loss_reduction=sum", "loss_reduction", "sum"),
+    "ddp_cpu.yaml": ("--trainer.callbacks.loss_reduction=sum", "loss_reduction", "sum"),
+}
+
+
+def test_every_shipped_config_has_an_override_test() -> None:
+    assert sorted(SHIPPED_OVERRIDES) == sorted(p.name for p in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_OVERRIDES))
+def test_the_shipped_config_takes_a_command_line_override_of_its_main_callback(tmp_path: Path, name: str) -> None:
+    from lightning_accum import AutoMicroBatching
+
+    override, attribute, expected = SHIPPED_OVERRIDES[name]
+    cli = build(tmp_path, f"--config={CONFIGS / name}", override)
+    (owner,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, (AutoMicroBatching, AccumulationScheduler))]
+    assert getattr(owner, attribute) == expected
+    callbacks = yaml.safe_load((CONFIGS / name).read_text())["trainer"]["callbacks"]
+    assert callbacks[-1]["class_path"] == f"lightning_accum.{type(owner).__name__}"
+
+
+def test_callback_order_in_the_yaml_does_not_change_the_run(tmp_path: Path) -> None:
+    # The owner moves itself to the front of `trainer.callbacks` at setup, so the shipped order (owner last, for
+    # overrides) trains exactly as the monitor-last order did.
+    from lightning_accum import AccumulationMonitor, AutoMicroBatching
+
+    shipped = yaml.safe_load((CONFIGS / "split_auto.yaml").read_text())
+    swapped = {**shipped, "trainer": {**shipped["trainer"], "callbacks": shipped["trainer"]["callbacks"][::-1]}}
+    assert swapped["trainer"]["callbacks"][0]["class_path"] == "lightning_accum.AutoMicroBatching"
+    (tmp_path / "swapped.yaml").write_text(yaml.safe_dump(swapped))
+    runs = []
+    for config in (CONFIGS / "split_auto.yaml", tmp_path / "swapped.yaml"):
+        cli = build(
+            tmp_path / config.stem,
+            f"--config={config}",
+            *TINY,
+            "--data.batch_size=16",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            subcommand="fit",
+        )
+        callbacks = cli.trainer.callbacks
+        assert isinstance(callbacks[0], AutoMicroBatching)
+        monitor = next(cb for cb in callbacks if isinstance(cb, AccumulationMonitor))
+        assert monitor._owner is callbacks[0]
+        runs.append((cli.trainer.global_step, {k: v.clone() for k, v in cli.model.state_dict().items()}))
+    (steps_shipped, weights_shipped), (steps_swapped, weights_swapped) = runs
+    assert steps_shipped == steps_swapped == 2
+    for key, value in weights_shipped.items():
+        torch.testing.assert_close(weights_swapped[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_documented_ways_to_reach_a_callback_that_is_not_last(tmp_path: Path) -> None:
+    from lightning_accum import AccumulationMonitor, AutoMicroBatching
+
+    # Two overrides of the shipped window config's scheduler, as docs/cli.md shows them.
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'window_ramp.yaml'}",
+        "--trainer.callbacks.loss_reduction=sum",
+        "--trainer.callbacks.schedule.target=128",
+    )
+    scheduler = scheduler_of(cli)
+    assert scheduler.loss_reduction == "sum" and scheduler.schedule.target == 128
+
+    # The whole list again, with the config's classes in the config's order: merged entry by entry.
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'split_auto.yaml'}",
+        "--trainer.callbacks=[{class_path: lightning_accum.AccumulationMonitor, init_args: {logging_interval: 10}},"
+        " {class_path: lightning_accum.AutoMicroBatching}]",
+    )
+    (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationMonitor)]
+    assert monitor.logging_interval == 10
+    assert (splitter.max_memory, splitter.count_items, splitter.planner.grow_patience) == (0.8, CountTokens(), 20)
+
+    # A list of other classes replaces the config's, arguments and all.
+    cli = build(
+        tmp_path,
+        f"--config={CONFIGS / 'split_auto.yaml'}",
+        "--trainer.callbacks=[{class_path: lightning_accum.AutoMicroBatching, init_args: {max_memory: 1GiB}}]",
+    )
+    (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    assert (splitter.max_memory, splitter.count_items) == (2**30, None)
+    assert not any(isinstance(cb, AccumulationMonitor) for cb in cli.trainer.callbacks)

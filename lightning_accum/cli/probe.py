@@ -13,10 +13,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import traceback
+from pathlib import Path
 from typing import Any
 
-from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
+import torch
+
+import lightning_accum
+from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, positive_float
+from lightning_accum.probe import _check_init_args, import_object, load_cli_config, probe_memory, write_outputs
+
+# The probe's Python arguments -> this command's flags, so that its messages name what the user typed.
+_FLAGS = {
+    "module": "--model",
+    "module_init_args": "--init-args",
+    "data": "--data",
+    "data_init_args": "--data-init-args",
+    "config": "--config",
+    "batch_size": "--batch-size",
+    "accumulation_steps": "--accumulation-steps",
+    "fit_micro_batch_sizes": "--fit-micro-batch-sizes",
+    "steps": "--steps",
+    "warmup_steps": "--warmup-steps",
+}
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
+_PACKAGE_DIR = Path(lightning_accum.__file__).resolve().parent
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -54,33 +77,75 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a LightningCLI YAML config; its model/data sections give class_path and init_args, or only init_args "
         "for the classes named by --model/--data",
     )
-    parser.add_argument("--batch-size", type=int, help="the full batch B per device (default: the datamodule's)")
+    parser.add_argument(
+        "--batch-size", type=int_at_least(1), help="the full batch B per device (default: the datamodule's)"
+    )
     parser.add_argument(
         "--accumulation-steps",
-        type=int,
+        type=int_at_least(2),
         nargs="+",
         action="extend",
         help="accumulation steps k to compare, each dividing B; repeatable (default: 2 4)",
     )
     parser.add_argument(
         "--fit-micro-batch-sizes",
-        type=int,
+        type=int_at_least(1),
         nargs="+",
         help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
     )
-    parser.add_argument("--budget-gib", type=float, help="a memory budget in GiB: which micro-batch fits it?")
+    parser.add_argument("--budget-gib", type=positive_float, help="a memory budget in GiB: which micro-batch fits it?")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps per configuration (default: 2)")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=2, help="measured optimizer steps per configuration (default: 2)"
+    )
+    parser.add_argument("--warmup-steps", type=int_at_least(0), default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--output-dir", help="write probe.txt, probe.json and probe.png here")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the probe, print the table and write the files; return the exit status."""
+    """Run the probe, print the table and write the files; return the exit status.
+
+    Raises:
+        CommandError: a mistake in the arguments, or in the model or data they name (found before measuring).
+    """
     # Resolve import paths from the working directory, as `python -m` would: a console script does not add it.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    device = _device(args.device)
+    output_dir = None if args.output_dir is None else check_output_dir(args.output_dir, "--output-dir")
+    try:
+        result = _probe(args, device)
+    except torch.OutOfMemoryError as err:
+        first_line = next(iter(str(err).splitlines()), "") or "out of memory"
+        raise CommandError(
+            f"`--device`={args.device!r} ran out of memory during the probe ({first_line}). Lower `--batch-size`, or "
+            "probe on a device with more memory."
+        ) from err
+    except (ImportError, FileNotFoundError, ValueError, TypeError, RuntimeError) as err:
+        # The probe's own checks of what it was given; an error raised inside the user's model keeps its traceback.
+        if not _raised_by_lightning_accum(err):
+            raise
+        raise CommandError(_with_flags(str(err))) from err
+    print(result.table())
+    if output_dir is not None:
+        try:
+            paths = write_outputs(result, output_dir)
+        except ModuleNotFoundError as err:
+            raise CommandError(
+                f"writing probe.png needs {err.name!r}: pip install 'lightning-accum[report]', or leave out "
+                "`--output-dir`."
+            ) from err
+        except OSError as err:
+            raise CommandError(
+                f"`--output-dir`={args.output_dir!r}: could not write the results: {err}. Choose a directory you can "
+                "write to."
+            ) from err
+        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _probe(args: argparse.Namespace, device: str) -> Any:
     data_init_args: dict[str, Any] = dict(args.data_init_args)
     if args.config:
         # With a config, --model/--data name the classes of sections that carry only init args.
@@ -90,19 +155,18 @@ def run(args: argparse.Namespace) -> int:
     elif args.model:
         module, data, module_init_args = args.model, args.data, args.init_args
     else:
-        raise SystemExit(
-            "error: `--model` (an import path 'pkg.mod:Class') or `--config` (a LightningCLI YAML) is needed."
-        )
+        raise CommandError("`--model` (an import path 'pkg.mod:Class') or `--config` (a LightningCLI YAML) is needed.")
     if data is None:
-        raise SystemExit("error: `--data` (an import path) or a `data` section in `--config` is needed.")
+        raise CommandError("`--data` (an import path) or a `data` section in `--config` is needed.")
     if isinstance(data, str):
         data = import_object(data, "--data")
     if isinstance(data, type):  # a datamodule class: build it now so its batch size can be the default B
+        _check_init_args(data, data_init_args, "data_init_args")
         data, data_init_args = data(**data_init_args), {}
     batch_size = args.batch_size if args.batch_size is not None else getattr(data, "batch_size", None)
     if not isinstance(batch_size, int):
-        raise SystemExit("error: `--batch-size` is needed: the data has no int `batch_size` to default to.")
-    result = probe_memory(
+        raise CommandError("`--batch-size` is needed: the data has no int `batch_size` to default to.")
+    return probe_memory(
         module,
         data,
         batch_size=batch_size,
@@ -110,13 +174,43 @@ def run(args: argparse.Namespace) -> int:
         fit_micro_batch_sizes=args.fit_micro_batch_sizes,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
-        device=args.device,
+        device=device,
         budget_bytes=None if args.budget_gib is None else args.budget_gib * 2**30,
         module_init_args=module_init_args,
         data_init_args=data_init_args,
     )
-    print(result.table())
-    if args.output_dir:
-        paths = write_outputs(result, args.output_dir)
-        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+
+
+def _device(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in _DEVICE_TYPES:
+        raise CommandError(f"`--device`={text!r} is not a device the probe runs on: use cpu, cuda or cuda:N.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else ", and this PyTorch is built without CUDA"
+            raise CommandError(
+                f"`--device`={text!r} but CUDA is not available here{build}. Use `--device cpu`, or run on a "
+                "machine with a GPU."
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            devices = "1 CUDA device" if count == 1 else f"{count} CUDA devices"
+            raise CommandError(
+                f"`--device`={text!r} but there is only {devices} here. Use one of "
+                + ", ".join(f"cuda:{i}" for i in range(count))
+                + "."
+            )
+    return text
+
+
+def _raised_by_lightning_accum(err: BaseException) -> bool:
+    # Where the exception was raised: in this package (a check on what the user passed), or in the user's code.
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+def _with_flags(message: str) -> str:
+    return re.sub(r"`(\w+)`", lambda m: f"`{_FLAGS.get(m[1], m[1])}`", message)

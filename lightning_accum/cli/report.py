@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_accum import keys
+from lightning_accum.cli._common import CommandError, check_output_file
 from lightning_accum.integrations.wandb import (
     PANEL_LAYOUT,
     STEP_METRIC,
+    OfflineRun,
     SectionSpec,
     layout_keys,
     read_offline_run,
@@ -29,6 +32,12 @@ Series = dict[str, list[tuple[float, float]]]
 _COLUMNS = 3
 # Limits, not measurements: drawn dashed so the eye reads them as the line not to cross.
 _REFERENCE_KEYS = frozenset({BUDGET_FRACTION})
+_DEFAULT_OUTPUT = "lightning_accum_report.png"
+_FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
+
+UNFINISHED_RUN_WAIT_S = 2.0
+"""How long the command waits for the exit record of a W&B run that lacks one: wandb may still be flushing a run
+that has just finished (see `read_offline_run`)."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,33 +59,88 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--output", "-o", default="lightning_accum_report.png", help="the PNG to write (default: %(default)s)"
+        "--output",
+        "-o",
+        default=_DEFAULT_OUTPUT,
+        help="the PNG to write; .pdf and .svg work too, and no suffix means .png (default: %(default)s)",
     )
     parser.add_argument("--title", help="the figure title (default: the run's path)")
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="draw a W&B run that did not finish, or whose file is cut short, from the records it holds",
+    )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Read the run, draw the panels and write the PNG; return the exit status."""
+    """Read the run, draw the panels and write the image; return the exit status.
+
+    Raises:
+        CommandError: the run cannot be read, is incomplete (without ``--allow-incomplete``), holds none of the
+            metrics, or the output cannot be written.
+    """
+    output = _output_path(args.output)
     try:
-        series = load_series(args.run)
-    except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"error: {err}") from err
+        series, wandb_run = _load(args.run, wait_s=UNFINISHED_RUN_WAIT_S)
     except ModuleNotFoundError as err:
-        raise SystemExit(f"error: reading a W&B run needs {err.name!r}: pip install 'lightning-accum[wandb]'.") from err
+        raise CommandError(f"reading a W&B run needs {err.name!r}: pip install 'lightning-accum[wandb]'.") from err
+    except (OSError, ValueError) as err:
+        raise CommandError(str(err)) from err
+    problem, rows = None, 0
+    if wandb_run is not None and not wandb_run.complete:
+        problem, rows = _incomplete(wandb_run), len(wandb_run.history)
+    if problem and not args.allow_incomplete:
+        if not rows:
+            raise CommandError(f"{problem} It holds no history rows yet: report it when the run has logged some.")
+        raise CommandError(
+            f"{problem} Report a finished run, or pass `--allow-incomplete` to draw the {rows} history rows it holds."
+        )
     if not any(series.get(key) for key in layout_keys()):
-        raise SystemExit(
-            f"error: {args.run!r} holds none of the lightning_accum metrics ({keys.EFFECTIVE_BATCH_SIZE}, ...)."
+        raise CommandError(
+            f"{args.run!r} holds none of the lightning_accum metrics ({keys.EFFECTIVE_BATCH_SIZE}, ...)."
             " Was `AccumulationMonitor` among the Trainer's callbacks?"
         )
+    if problem:
+        print(f"warning: {problem} Drawing the {rows} history rows it holds.", file=sys.stderr)
     try:
-        output = write_report(series, args.output, title=args.title or str(args.run))
+        output = write_report(series, output, title=args.title or str(args.run))
     except ModuleNotFoundError as err:
-        raise SystemExit(
-            f"error: `lightning-accum report` needs {err.name!r}: pip install 'lightning-accum[report]'."
+        raise CommandError(
+            f"`lightning-accum report` needs {err.name!r}: pip install 'lightning-accum[report]'."
         ) from err
+    except OSError as err:
+        raise CommandError(f"`--output`={args.output!r} could not be written: {err}. Choose another path.") from err
     print(f"wrote {output}")
     return 0
+
+
+def _output_path(value: str) -> Path:
+    # The path printed is the path written: matplotlib would add ".png" to a name without a suffix behind our back.
+    path = check_output_file(value, "--output", _DEFAULT_OUTPUT)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+        check_output_file(str(path), "--output", _DEFAULT_OUTPUT)
+    if path.suffix.lower() not in _FORMATS:
+        raise CommandError(
+            f"`--output`={value!r}: {path.suffix!r} is not a format the report writes. Use a .png name (or "
+            + ", ".join(_FORMATS[1:])
+            + ")."
+        )
+    return path
+
+
+def _incomplete(run: OfflineRun) -> str:
+    if run.truncated_at is not None:
+        size = run.path.stat().st_size
+        return (
+            f"{str(run.path)!r} is truncated: it ends inside a record at byte {run.truncated_at} of {size}, so the"
+            " run was killed while writing it, or is still running."
+        )
+    return (
+        f"{str(run.path)!r} is incomplete: it has no exit record, so the run did not finish (it was killed, or is"
+        " still running)."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -85,17 +149,25 @@ def run(args: argparse.Namespace) -> int:
 def load_series(path: str | Path) -> Series:
     """Every numeric metric of a run as ``(step, value)`` points; the step is the optimizer step.
 
+    A W&B run that did not finish gives the rows its file holds (`OfflineRun.complete` says whether that is all).
+
     Raises:
         FileNotFoundError: nothing readable at ``path``.
         ValueError: a file that is neither a W&B transaction log nor a CSV with a ``step`` column.
     """
+    return _load(path)[0]
+
+
+def _load(path: str | Path, *, wait_s: float = 0.0) -> tuple[Series, OfflineRun | None]:
+    # The series, and the W&B run they came from (None for a CSV).
     path = Path(path)
     csv_file = path if path.suffix == ".csv" else path / "metrics.csv"
     if csv_file.is_file():
-        return _series_from_csv(csv_file)
+        return _series_from_csv(csv_file), None
     if path.suffix == ".csv":
         raise FileNotFoundError(f"No CSV file at {str(path)!r}.")
-    return _series_from_rows(read_offline_run(path).history, STEP_METRIC)
+    wandb_run = read_offline_run(path, wait_s=wait_s)
+    return _series_from_rows(wandb_run.history, STEP_METRIC), wandb_run
 
 
 def _series_from_csv(path: Path) -> Series:
@@ -134,7 +206,11 @@ def _number(value: Any) -> float | None:
 def write_report(
     series: Series, output: str | Path, *, title: str = "", layout: Sequence[SectionSpec] = PANEL_LAYOUT
 ) -> Path:
-    """Draw one row of panels per section of ``layout`` (wrapping at three panels) and save the PNG."""
+    """Draw one row of panels per section of ``layout`` (wrapping at three panels) and save the image.
+
+    The format follows the suffix of ``output`` (PNG, PDF, SVG); a name without one gets ``.png``. Returns the path
+    written.
+    """
     # The object API with an Agg canvas: no pyplot, so no global backend is chosen for the caller's process.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -153,8 +229,10 @@ def write_report(
         for ax in axes[len(section.panels) :]:
             ax.set_visible(False)
     output = Path(output)
+    if not output.suffix:
+        output = output.with_name(output.name + ".png")
     output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
+    figure.savefig(output, dpi=100, format=output.suffix[1:].lower())
     return output
 
 

@@ -175,6 +175,8 @@ class OfflineRun:
         config: the final run config.
         metrics: ``define_metric`` records by name (or glob): ``{"step_metric": ..., "summary": [...]}``.
         exit_code: the exit code recorded at ``finish``, or ``None`` when the run did not finish.
+        truncated_at: the byte offset of a record that the end of the file cuts off (the writer was killed, or is
+            still writing), or ``None`` when the file ends on a record boundary. Everything before it was read.
     """
 
     path: Path
@@ -185,6 +187,12 @@ class OfflineRun:
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     exit_code: int | None = None
+    truncated_at: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the file holds the whole run: its exit record, and no record cut off by the end of the file."""
+        return self.exit_code is not None and self.truncated_at is None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.history)
@@ -231,53 +239,68 @@ def find_run_file(path: str | Path) -> Path:
 def iter_records(path: str | Path) -> Iterator[bytes]:
     """The raw protobuf payloads of the records in a ``.wandb`` file, in order.
 
-    A truncated tail (a run still writing, or killed) ends the iteration quietly, like LevelDB's reader.
+    A truncated tail (a run still writing, or killed) ends the iteration quietly, like LevelDB's reader;
+    `read_offline_run` says where (`OfflineRun.truncated_at`).
 
     Raises:
-        ValueError: the file is not a W&B transaction log, or a record is corrupt (bad checksum or framing).
+        ValueError: the file is not a W&B transaction log, is cut off inside its header, or a record is corrupt
+            (bad checksum or framing).
     """
-    data = Path(path).read_bytes()
-    if len(data) < _FILE_HEADER.size:
-        raise ValueError(f"{str(path)!r} is not a W&B transaction log: {len(data)} bytes, shorter than its header.")
-    ident, magic, version = _FILE_HEADER.unpack_from(data, 0)
-    if ident != _FILE_IDENT or magic != _FILE_MAGIC or version != _FILE_VERSION:
+    yield from _read_records(Path(path))[0]
+
+
+def _read_records(path: Path) -> tuple[list[bytes], int | None]:
+    """The payloads of the complete records, and the offset of a record cut off by the end of the file (or None)."""
+    data = path.read_bytes()
+    header = _FILE_HEADER.pack(_FILE_IDENT, _FILE_MAGIC, _FILE_VERSION)
+    if len(data) < _FILE_HEADER.size and header.startswith(data):
+        raise ValueError(
+            f"{str(path)!r} is truncated: {len(data)} bytes, shorter than the {_FILE_HEADER.size}-byte header of a W&B"
+            " transaction log. The run was killed before it wrote anything, or has just started."
+        )
+    if data[: _FILE_HEADER.size] != header:
         raise ValueError(
             f"{str(path)!r} is not a W&B transaction log (version {_FILE_VERSION}): its header is"
             f" {data[: _FILE_HEADER.size]!r}. Pass a `run-*.wandb` file or the run directory that holds it."
         )
+    records: list[bytes] = []
     offset = _FILE_HEADER.size
     pending: list[bytes] | None = None
+    pending_at = 0
     while offset < len(data):
         block_left = _BLOCK_SIZE - offset % _BLOCK_SIZE
         if block_left < _RECORD_HEADER.size:
             offset += block_left  # zero padding at the end of a block
             continue
         if offset + _RECORD_HEADER.size > len(data):
-            return
+            # Preallocated zeros end the log cleanly; anything else is a record header cut off.
+            return records, (None if not data[offset:].strip(b"\0") else offset)
         checksum, length, kind = _RECORD_HEADER.unpack_from(data, offset)
         start = offset + _RECORD_HEADER.size
         end = start + length
-        if end > len(data):
-            return
         if kind == _ZERO and length == 0:
             offset += block_left  # preallocated space: the rest of the block is empty
             continue
+        if end > len(data):
+            return records, offset
         payload = data[start:end]
         if zlib.crc32(bytes([kind]) + payload) != checksum:
             raise ValueError(f"{str(path)!r}: corrupt record at byte {offset} (checksum mismatch).")
-        offset = end
         if kind == _FULL:
-            yield payload
+            records.append(payload)
         elif kind == _FIRST:
-            pending = [payload]
+            pending, pending_at = [payload], offset
         elif kind == _MIDDLE and pending is not None:
             pending.append(payload)
         elif kind == _LAST and pending is not None:
             pending.append(payload)
-            yield b"".join(pending)
+            records.append(b"".join(pending))
             pending = None
         else:
-            raise ValueError(f"{str(path)!r}: unexpected record type {kind} at byte {offset - length}.")
+            raise ValueError(f"{str(path)!r}: unexpected record type {kind} at byte {offset}.")
+        offset = end
+    # A record whose FIRST fragment is here but not its LAST one was cut off too.
+    return records, (None if pending is None else pending_at)
 
 
 def read_offline_run(path: str | Path, *, wait_s: float = 0.0) -> OfflineRun:
@@ -305,8 +328,9 @@ def read_offline_run(path: str | Path, *, wait_s: float = 0.0) -> OfflineRun:
 def _read_once(run_file: Path) -> OfflineRun:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    run = OfflineRun(path=run_file)
-    for payload in iter_records(run_file):
+    payloads, truncated_at = _read_records(run_file)
+    run = OfflineRun(path=run_file, truncated_at=truncated_at)
+    for payload in payloads:
         record = pb.Record()
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ from lightning_accum import AccumulationScheduler, keys
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
 from lightning_accum.cli.report import load_series
-from lightning_accum.integrations.wandb import layout_keys, read_offline_run
+from lightning_accum.integrations.wandb import find_run_file, layout_keys, read_offline_run
+from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,14 +75,131 @@ def test_wandb_and_csv_give_the_same_series(logged_run):
     assert [v for _, v in from_wandb[keys.EFFECTIVE_BATCH_SIZE][:3]] == [4, 4, 8]
 
 
-def test_report_errors_name_the_problem(tmp_path):
-    with pytest.raises(SystemExit, match="error: No W&B run at"):
-        main(["report", str(tmp_path / "missing"), "--output", str(tmp_path / "x.png")])
+def test_report_errors_name_the_problem(tmp_path, capsys):
+    outcome = run_cli(capsys, "report", str(tmp_path / "missing"), "--output", str(tmp_path / "x.png"))
+    assert_one_error_line(outcome, "No W&B run at")
     other = tmp_path / "metrics.csv"
     other.write_text("step,val_loss\n1,0.5\n")
-    with pytest.raises(SystemExit, match="holds none of the lightning_accum metrics"):
-        main(["report", str(other), "--output", str(tmp_path / "x.png")])
+    outcome = run_cli(capsys, "report", str(other), "--output", str(tmp_path / "x.png"))
+    assert_one_error_line(outcome, "holds none of the lightning_accum metrics")
     bad = tmp_path / "bad.csv"
     bad.write_text("epoch,loss\n0,1\n")
-    with pytest.raises(SystemExit, match="has no `step` column"):
-        main(["report", str(bad)])
+    assert_one_error_line(run_cli(capsys, "report", str(bad)), "has no `step` column")
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---- --output: the file it prints is the file it wrote ------------------------------------------------------------
+
+
+def test_output_without_a_suffix_is_written_as_the_png_it_prints(logged_run, tmp_path, capsys):
+    _, csv_file = logged_run
+    outcome = run_cli(capsys, "report", str(csv_file), "-o", str(tmp_path / "plots" / "report"))
+    printed = Path(outcome.out.strip().removeprefix("wrote "))
+    assert outcome.code == 0 and printed == tmp_path / "plots" / "report.png"
+    assert printed.read_bytes().startswith(PNG_MAGIC)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["report.png"]
+
+
+@pytest.mark.parametrize(
+    ("output", "fragments"),
+    [
+        ("a_directory", ["`--output`", "is a directory", "report.png"]),
+        ("report.txt", ["`--output`", "'.txt'", ".png"]),
+        ("blocker.txt/report.png", ["`--output`", "not a directory"]),
+    ],
+)
+def test_output_that_cannot_be_written(logged_run, tmp_path, capsys, output, fragments):
+    _, csv_file = logged_run
+    (tmp_path / "a_directory").mkdir()
+    (tmp_path / "blocker.txt").write_text("")
+    outcome = run_cli(capsys, "report", str(csv_file), "-o", str(tmp_path / output))
+    assert_one_error_line(outcome, repr(str(tmp_path / output)), *fragments)
+    assert outcome.out == ""
+
+
+# ---- a `.wandb` file cut short ------------------------------------------------------------------------------------
+
+
+def _record_starts(data: bytes) -> list[int]:
+    # The byte offset of each record of a small (one-block) `.wandb` file: 7-byte file header, then records with a
+    # 7-byte header (crc32, length, type).
+    assert len(data) < 32 * 1024
+    starts, offset = [], 7
+    while offset < len(data):
+        starts.append(offset)
+        offset += 7 + struct.unpack_from("<IHB", data, offset)[1]
+    assert offset == len(data)
+    return starts
+
+
+@pytest.fixture
+def cut(logged_run, tmp_path, monkeypatch):
+    """``cut(n)``: a copy of the logged run's `.wandb` file, keeping its first ``n`` bytes."""
+    import lightning_accum.cli.report as report_cli
+
+    monkeypatch.setattr(report_cli, "UNFINISHED_RUN_WAIT_S", 0.0)  # nothing is writing these copies
+    run_dir = logged_run[0] / "wandb"
+    data = find_run_file(run_dir).read_bytes()
+
+    def make(n: int) -> Path:
+        path = tmp_path / "offline-run-20250101_000000-cut" / "run-cut.wandb"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data[:n])
+        return path
+
+    make.data, make.run_dir = data, run_dir
+    return make
+
+
+def test_the_complete_file_reads_as_complete(logged_run):
+    run = read_offline_run(logged_run[0] / "wandb")
+    assert run.exit_code == 0 and run.truncated_at is None and run.complete
+
+
+def test_a_file_cut_inside_a_record_is_reported_as_truncated(cut, tmp_path, capsys):
+    cut_record = _record_starts(cut.data)[-2]  # the one before the exit record: every history row is whole
+    run_file = cut(cut_record + 10)
+    run = read_offline_run(run_file)
+    assert (run.truncated_at, run.exit_code, run.complete) == (cut_record, None, False)
+    assert len(run.history) == len(read_offline_run(find_run_file(cut.run_dir)).history)
+
+    outcome = run_cli(capsys, "report", str(run_file.parent), "-o", str(tmp_path / "r.png"))
+    assert_one_error_line(outcome, str(run_file), "truncated", f"byte {cut_record} of", "--allow-incomplete")
+    assert not (tmp_path / "r.png").exists()
+
+    # What it holds can still be drawn, on request.
+    outcome = run_cli(capsys, "report", str(run_file), "-o", str(tmp_path / "r.png"), "--allow-incomplete")
+    assert outcome.code == 0 and outcome.out.strip() == f"wrote {tmp_path / 'r.png'}"
+    assert "truncated" in outcome.err and outcome.err.startswith("warning: ")
+    assert (tmp_path / "r.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_file_without_its_exit_record_says_the_run_did_not_finish(cut, tmp_path, capsys):
+    run_file = cut(_record_starts(cut.data)[-1])  # every record but the last, the exit record
+    run = read_offline_run(run_file)
+    assert run.truncated_at is None and run.exit_code is None and len(run.history) > 0
+    outcome = run_cli(capsys, "report", str(run_file), "-o", str(tmp_path / "r.png"))
+    assert_one_error_line(outcome, str(run_file), "incomplete", "did not finish", "--allow-incomplete")
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_a_file_cut_inside_its_header_is_reported_as_truncated(cut, tmp_path, capsys, n):
+    outcome = run_cli(capsys, "report", str(cut(n)), "-o", str(tmp_path / "r.png"))
+    assert_one_error_line(outcome, "run-cut.wandb", "truncated", f"{n} bytes")
+
+
+def test_a_record_split_across_blocks_and_cut_is_truncated(tmp_path, capsys, monkeypatch):
+    # A record too long for the rest of its block is written as fragments; a file that ends after the FIRST one was
+    # cut inside the record.
+    def record(kind: int, payload: bytes) -> bytes:
+        return struct.pack("<IHB", zlib.crc32(bytes([kind]) + payload), len(payload), kind) + payload
+
+    import lightning_accum.cli.report as report_cli
+
+    monkeypatch.setattr(report_cli, "UNFINISHED_RUN_WAIT_S", 0.0)
+    run_file = tmp_path / "run-frag.wandb"
+    run_file.write_bytes(b":W&B" + struct.pack("<HB", 0xBEE1, 0) + record(2, b"\x00" * 100))
+    run = read_offline_run(run_file)
+    assert run.truncated_at == 7 and not run.complete
+    outcome = run_cli(capsys, "report", str(run_file), "-o", str(tmp_path / "r.png"))
+    assert_one_error_line(outcome, "truncated", "byte 7")

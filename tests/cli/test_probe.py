@@ -1,0 +1,155 @@
+"""``lightning-accum probe``: each mistake in its arguments is one ``error:`` line, found before any measuring."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lightning_accum.cli.probe as probe_cli
+import lightning_accum.probe
+from tests.cli.helpers import assert_one_error_line, run_cli
+
+DATA = ["--data", "tests.test_probe:RegressionData"]
+PROBE = ["probe", "--model", "tests.test_probe:ActHeavy", *DATA]
+
+
+@pytest.fixture
+def measuring():
+    """Asked for by the tests that let the probe measure."""
+
+
+@pytest.fixture(autouse=True)
+def _never_measure(request, monkeypatch):
+    # Every other case must fail before the probe measures anything.
+    if "measuring" in request.fixturenames:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the probe measured: the mistake was not caught first")
+
+    monkeypatch.setattr(lightning_accum.probe, "_measure", refuse)
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("no_such_package.models:Net", ["`--model`", "'no_such_package.models:Net'", "cannot import module"]),
+        ("tests.test_probe:NoSuchModel", ["`--model`", "'tests.test_probe:NoSuchModel'", "no attribute 'NoSuchModel'"]),
+        ("ActHeavy", ["`--model`", "'ActHeavy'", "'pkg.module:Name'"]),
+        ("collections:OrderedDict", ["`--model`", "OrderedDict", "training_step", "LightningModule"]),
+    ],
+)
+def test_bad_model_path(capsys, model, fragments):
+    assert_one_error_line(run_cli(capsys, "probe", "--model", model, *DATA), *fragments)
+
+
+def test_bad_data_path(capsys):
+    outcome = run_cli(capsys, "probe", "--model", "tests.test_probe:ActHeavy", "--data", "tests.test_probe:Nope")
+    assert_one_error_line(outcome, "`--data`", "'tests.test_probe:Nope'", "no attribute 'Nope'")
+
+
+def test_init_args_the_model_does_not_take(capsys):
+    outcome = run_cli(capsys, *PROBE, "--init-args", '{"width": 3}')
+    assert_one_error_line(outcome, "`--init-args`={'width': 3}", "ActHeavy", "unexpected keyword argument 'width'")
+    outcome = run_cli(capsys, *PROBE, "--data-init-args", '{"rows": 3}')
+    assert_one_error_line(outcome, "`--data-init-args`={'rows': 3}", "RegressionData", "'rows'")
+
+
+def test_manual_optimization_model(capsys, monkeypatch):
+    from tests import test_probe
+
+    class Manual(test_probe.ActHeavy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    monkeypatch.setattr(test_probe, "Manual", Manual, raising=False)
+    outcome = run_cli(capsys, "probe", "--model", "tests.test_probe:Manual", *DATA)
+    assert_one_error_line(outcome, "`--model`", "manual optimization")
+
+
+def test_cuda_device_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    outcome = run_cli(capsys, *PROBE, "--device", "cuda")
+    assert_one_error_line(outcome, "`--device`", "'cuda'", "CUDA is not available", "--device cpu")
+
+
+def test_cuda_device_index_out_of_range(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    outcome = run_cli(capsys, *PROBE, "--device", "cuda:3")
+    assert_one_error_line(outcome, "`--device`", "'cuda:3'", "1 CUDA device", "cuda:0")
+
+
+def test_unknown_device(capsys):
+    assert_one_error_line(run_cli(capsys, *PROBE, "--device", "banana"), "`--device`", "'banana'", "cpu")
+
+
+def test_accumulation_steps_that_do_not_divide_the_batch(capsys):
+    outcome = run_cli(capsys, *PROBE, "--batch-size", "32", "--accumulation-steps", "3")
+    assert_one_error_line(outcome, "`--accumulation-steps`", "3", "`--batch-size`=32", "divisor")
+
+
+def test_output_dir_under_a_file(capsys, tmp_path):
+    blocker = tmp_path / "results.txt"
+    blocker.write_text("")
+    outcome = run_cli(capsys, *PROBE, "--output-dir", str(blocker / "probe"))
+    assert_one_error_line(outcome, "`--output-dir`", repr(str(blocker / "probe")), "not a directory")
+    outcome = run_cli(capsys, *PROBE, "--output-dir", str(blocker))
+    assert_one_error_line(outcome, "`--output-dir`", repr(str(blocker)), "not a directory")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+def test_output_dir_without_write_permission(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    outcome = run_cli(capsys, *PROBE, "--output-dir", str(locked / "probe"))
+    assert_one_error_line(outcome, "`--output-dir`", "not writable")
+
+
+def test_missing_and_malformed_config(capsys, tmp_path):
+    outcome = run_cli(capsys, "probe", "--config", str(tmp_path / "missing.yaml"))
+    assert_one_error_line(outcome, "`--config`", "missing.yaml", "does not exist")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    assert_one_error_line(run_cli(capsys, "probe", "--config", str(broken)), "`--config`", "broken.yaml", "YAML")
+
+
+def test_no_model_and_no_batch_size(capsys):
+    assert_one_error_line(run_cli(capsys, "probe", *DATA), "`--model`", "`--config`")
+    outcome = run_cli(
+        capsys, "probe", "--model", "tests.test_probe:ActHeavy", "--data", "tests.test_probe:regression_batch"
+    )
+    assert_one_error_line(outcome, "`--batch-size`")
+
+
+def test_a_failed_write_after_measuring_is_one_line(capsys, tmp_path, monkeypatch, measuring):
+    # The directory looked writable when the probe started (as root, or on a disk that filled up meanwhile).
+    def disk_full(result, output_dir):
+        raise OSError(28, "No space left on device", str(output_dir))
+
+    monkeypatch.setattr(probe_cli, "write_outputs", disk_full)
+    argv = [*PROBE, "--batch-size", "4", "--accumulation-steps", "2", "--fit-micro-batch-sizes", "2", "--steps", "1"]
+    outcome = run_cli(capsys, *argv, "--init-args", '{"optimizer": "adam"}', "--output-dir", str(tmp_path / "out"))
+    assert_one_error_line(outcome, "`--output-dir`", "No space left on device")
+    assert "B=4" in outcome.out  # valid arguments passed every check: the probe ran and printed its table
+
+
+def test_a_batch_larger_than_the_dataset(capsys):
+    outcome = run_cli(capsys, *PROBE, "--batch-size", "128", "--accumulation-steps", "2")
+    assert_one_error_line(outcome, "`--batch-size`=128", "64 samples")
+
+
+def test_a_bug_in_the_model_keeps_its_traceback(capsys, monkeypatch, measuring):
+    # The model's own code failing is not a mistake in the command: Python's traceback shows the user where.
+    from tests import test_probe
+
+    class Broken(test_probe.ActHeavy):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("a bug in the user's training_step")
+
+    monkeypatch.setattr(test_probe, "Broken", Broken, raising=False)
+    with pytest.raises(RuntimeError, match="a bug in the user's training_step"):
+        run_cli(capsys, "probe", "--model", "tests.test_probe:Broken", *DATA, "--batch-size", "4")
