@@ -23,7 +23,8 @@ import torch
 
 import lightning_accum
 from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, positive_float
-from lightning_accum.probe import _check_init_args, import_object, load_cli_config, probe_memory, write_outputs
+from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
+from lightning_accum.probe.resolve import check_init_args
 
 # The probe's Python arguments -> this command's flags, so that its messages name what the user typed.
 _FLAGS = {
@@ -161,7 +162,7 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
     if isinstance(data, str):
         data = import_object(data, "--data")
     if isinstance(data, type):  # a datamodule class: build it now so its batch size can be the default B
-        _check_init_args(data, data_init_args, "data_init_args")
+        check_init_args(data, data_init_args, "data_init_args")
         data, data_init_args = data(**data_init_args), {}
     batch_size = args.batch_size if args.batch_size is not None else getattr(data, "batch_size", None)
     if not isinstance(batch_size, int):

@@ -26,6 +26,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_accum._validation import check_int
+
 Category = Literal["parameters", "gradients", "optimizer_state", "activations"]
 CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -78,9 +80,13 @@ class MemoryTracker(TorchDispatchMode):
         module: the model whose parameters, buffers and gradients to attribute.
         optimizers: optimizers whose state to attribute.
         device: count only storage on this device type (``"cpu"``, ``"cuda"``); ``None`` counts every device.
+        block_bytes: count each storage rounded up to a multiple of this, as an allocator does: 512 predicts
+            ``torch.cuda.memory_allocated`` (the caching allocator's block size); 1 counts exact bytes.
 
     Raises:
-        TypeError: if ``module`` is not an ``nn.Module`` or an optimizer is not a ``torch.optim.Optimizer``.
+        TypeError: if ``module`` is not an ``nn.Module``, an optimizer is not a ``torch.optim.Optimizer``, or
+            ``block_bytes`` is not an int.
+        ValueError: if ``block_bytes`` is below 1.
 
     Examples:
         >>> model = nn.Linear(256, 256)
@@ -105,8 +111,10 @@ class MemoryTracker(TorchDispatchMode):
         optimizers: Iterable[torch.optim.Optimizer] = (),
         *,
         device: str | torch.device | None = None,
+        block_bytes: int = 1,
     ) -> None:
         super().__init__()
+        self.block_bytes = check_int(block_bytes, "block_bytes", 1)
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a torch.nn.Module or None, got {type(module).__name__}.")
         self.module = module
@@ -159,7 +167,7 @@ class MemoryTracker(TorchDispatchMode):
         if storage is None:
             return
         key = storage._cdata  # the StorageImpl address: stable while the storage lives
-        nbytes = storage.nbytes()
+        nbytes = -(-storage.nbytes() // self.block_bytes) * self.block_bytes
         entry = self._live.get(key)
         if entry is None:
             if nbytes == 0:

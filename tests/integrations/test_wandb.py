@@ -14,23 +14,22 @@ from pathlib import Path
 import pytest
 
 from lightning_accum import keys
+from lightning_accum.integrations import wandb as integration
+from lightning_accum.integrations import wandb_offline as reader
 from lightning_accum.integrations.wandb import (
     CONFIG_KEY,
     MAX_SUMMARY_KEYS,
     PANEL_LAYOUT,
     STEP_METRIC,
-    OfflineRun,
     dashboard_spec,
     define_metrics,
-    find_run_file,
-    iter_records,
     layout_keys,
-    read_offline_run,
     record_config,
     spec_metric_keys,
     spec_to_dict,
     spec_to_json,
 )
+from lightning_accum.integrations.wandb_offline import OfflineRun, find_run_file, iter_records, read_offline_run
 from lightning_accum.monitoring import BUDGET_FRACTION
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
@@ -133,6 +132,13 @@ def test_reader_spans_blocks_and_refuses_corrupt_or_foreign_files(tmp_path, wand
     truncated = tmp_path / "truncated.wandb"
     truncated.write_bytes(data[: len(data) - 100])  # a run killed mid-write: the complete records still read
     assert len(read_offline_run(truncated).history) >= len(run.history) - 1
+
+
+def test_reader_is_still_importable_from_the_integration():
+    # It moved to `wandb_offline`; `report`, the monitor's tests and users import it from `wandb`.
+    for name in ("OfflineRun", "find_run_file", "iter_records", "read_offline_run", "STEP_METRIC"):
+        assert getattr(integration, name) is getattr(reader, name), name
+        assert name in integration.__all__
 
 
 def _wandb_cli() -> str | None:

@@ -1,18 +1,23 @@
-"""``lightning-accum probe``: each mistake in its arguments is one ``error:`` line, found before any measuring."""
+"""``lightning-accum probe``: its outputs, and each mistake in its arguments as one ``error:`` line before measuring."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
 import lightning_accum.cli.probe as probe_cli
-import lightning_accum.probe
+import lightning_accum.probe.measure
+from lightning_accum.cli.main import main
+from lightning_accum.probe import load_cli_config
 from tests.cli.helpers import assert_one_error_line, run_cli
+from tests.probe import models
 
-DATA = ["--data", "tests.test_probe:RegressionData"]
-PROBE = ["probe", "--model", "tests.test_probe:ActHeavy", *DATA]
+MODELS = "tests.probe.models"
+DATA = ["--data", f"{MODELS}:RegressionData"]
+PROBE = ["probe", "--model", f"{MODELS}:ActHeavy", *DATA]
 
 
 @pytest.fixture
@@ -29,14 +34,79 @@ def _never_measure(request, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the probe measured: the mistake was not caught first")
 
-    monkeypatch.setattr(lightning_accum.probe, "_measure", refuse)
+    monkeypatch.setattr(lightning_accum.probe.measure, "_measure", refuse)
+
+
+# ---- what it writes -------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_table_json_and_png(tmp_path, capsys, measuring):
+    out = tmp_path / "out"
+    code = main(
+        [
+            *PROBE,
+            "--data-init-args",
+            '{"batch_size": 32}',
+            "--accumulation-steps",
+            "2",
+            "--accumulation-steps",
+            "4",
+            "--budget-gib",
+            "0.001",
+            "--steps",
+            "1",
+            "--output-dir",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert "B=32" in capsys.readouterr().out  # the datamodule's batch size is the default B
+    data = json.loads((out / "probe.json").read_text())
+    assert data["batch_size"] == 32 and data["accumulation_steps"] == [2, 4]
+    assert data["fitting_micro_batch_size"] is not None
+    assert "Full batch vs accumulation" in (out / "probe.txt").read_text()
+    assert (out / "probe.png").stat().st_size > 10_000
+
+
+def test_cli_reads_a_lightning_cli_config(tmp_path, measuring):
+    config = tmp_path / "cli.yaml"
+    config.write_text(
+        "trainer:\n  max_epochs: 1\n"
+        f"model:\n  class_path: {MODELS}.ActHeavy\n  init_args:\n    optimizer: adam\n"
+        "data:\n  batch_size: 4\n"  # only init args: the class comes from --data
+    )
+    make_model, make_data = load_cli_config(config, data_class=f"{MODELS}:RegressionData")
+    assert make_model().optimizer == "adam" and make_data().batch_size == 4
+    code = main(
+        [
+            "probe",
+            "--config",
+            str(config),
+            *DATA,
+            "--batch-size",
+            "2",
+            "--accumulation-steps",
+            "2",
+            "--fit-micro-batch-sizes",
+            "1",
+            "--steps",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    assert json.loads((tmp_path / "probe.json").read_text())["batch_size"] == 2
+
+
+# ---- mistakes: one line, before measuring ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("model", "fragments"),
     [
         ("no_such_package.models:Net", ["`--model`", "'no_such_package.models:Net'", "cannot import module"]),
-        ("tests.test_probe:NoSuchModel", ["`--model`", "'tests.test_probe:NoSuchModel'", "no attribute 'NoSuchModel'"]),
+        (f"{MODELS}:NoSuchModel", ["`--model`", f"'{MODELS}:NoSuchModel'", "no attribute 'NoSuchModel'"]),
         ("ActHeavy", ["`--model`", "'ActHeavy'", "'pkg.module:Name'"]),
         ("collections:OrderedDict", ["`--model`", "OrderedDict", "training_step", "LightningModule"]),
     ],
@@ -46,8 +116,8 @@ def test_bad_model_path(capsys, model, fragments):
 
 
 def test_bad_data_path(capsys):
-    outcome = run_cli(capsys, "probe", "--model", "tests.test_probe:ActHeavy", "--data", "tests.test_probe:Nope")
-    assert_one_error_line(outcome, "`--data`", "'tests.test_probe:Nope'", "no attribute 'Nope'")
+    outcome = run_cli(capsys, "probe", "--model", f"{MODELS}:ActHeavy", "--data", f"{MODELS}:Nope")
+    assert_one_error_line(outcome, "`--data`", f"'{MODELS}:Nope'", "no attribute 'Nope'")
 
 
 def test_init_args_the_model_does_not_take(capsys):
@@ -58,15 +128,13 @@ def test_init_args_the_model_does_not_take(capsys):
 
 
 def test_manual_optimization_model(capsys, monkeypatch):
-    from tests import test_probe
-
-    class Manual(test_probe.ActHeavy):
+    class Manual(models.ActHeavy):
         def __init__(self) -> None:
             super().__init__()
             self.automatic_optimization = False
 
-    monkeypatch.setattr(test_probe, "Manual", Manual, raising=False)
-    outcome = run_cli(capsys, "probe", "--model", "tests.test_probe:Manual", *DATA)
+    monkeypatch.setattr(models, "Manual", Manual, raising=False)
+    outcome = run_cli(capsys, "probe", "--model", f"{MODELS}:Manual", *DATA)
     assert_one_error_line(outcome, "`--model`", "manual optimization")
 
 
@@ -119,9 +187,7 @@ def test_missing_and_malformed_config(capsys, tmp_path):
 
 def test_no_model_and_no_batch_size(capsys):
     assert_one_error_line(run_cli(capsys, "probe", *DATA), "`--model`", "`--config`")
-    outcome = run_cli(
-        capsys, "probe", "--model", "tests.test_probe:ActHeavy", "--data", "tests.test_probe:regression_batch"
-    )
+    outcome = run_cli(capsys, "probe", "--model", f"{MODELS}:ActHeavy", "--data", f"{MODELS}:regression_batch")
     assert_one_error_line(outcome, "`--batch-size`")
 
 
@@ -144,12 +210,10 @@ def test_a_batch_larger_than_the_dataset(capsys):
 
 def test_a_bug_in_the_model_keeps_its_traceback(capsys, monkeypatch, measuring):
     # The model's own code failing is not a mistake in the command: Python's traceback shows the user where.
-    from tests import test_probe
-
-    class Broken(test_probe.ActHeavy):
+    class Broken(models.ActHeavy):
         def training_step(self, batch, batch_idx):
             raise RuntimeError("a bug in the user's training_step")
 
-    monkeypatch.setattr(test_probe, "Broken", Broken, raising=False)
+    monkeypatch.setattr(models, "Broken", Broken, raising=False)
     with pytest.raises(RuntimeError, match="a bug in the user's training_step"):
-        run_cli(capsys, "probe", "--model", "tests.test_probe:Broken", *DATA, "--batch-size", "4")
+        run_cli(capsys, "probe", "--model", f"{MODELS}:Broken", *DATA, "--batch-size", "4")

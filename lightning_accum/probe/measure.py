@@ -1,0 +1,358 @@
+"""Running the configurations and measuring their peaks: the training loop the probe drives, and `probe_memory`.
+
+The loop does what Lightning's automatic optimization does for one optimizer, without a ``Trainer``: the loss of each
+micro-batch is divided by ``k``, gradients are set to ``None`` after each step. A Trainer would add its own
+allocations (loggers, progress tracking, checkpoint state), could not stop between the phases we label, and would
+take seconds to start for every configuration.
+
+On ``device="meta"`` the same loop runs on fake tensors (`lightning_accum.memory.fake.FakeTarget`): nothing is
+allocated, and the peak is what the step would hold on the ``target`` device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+
+from lightning_accum._validation import check_int
+from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget
+from lightning_accum.memory.model import LinearPeakModel
+from lightning_accum.memory.precision import StepPrecision
+from lightning_accum.memory.tracker import MemoryTracker
+from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory, module_factory
+from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
+
+
+def probe_memory(
+    module: ModuleSpec,
+    data: DataSpec,
+    *,
+    batch_size: int,
+    accumulation_steps: Sequence[int] = (2, 4),
+    fit_micro_batch_sizes: Sequence[int] | None = None,
+    grid: Sequence[tuple[int, int]] = (),
+    steps: int = 2,
+    warmup_steps: int = 1,
+    device: str | torch.device = "cpu",
+    budget_bytes: float | None = None,
+    module_init_args: Mapping[str, Any] | None = None,
+    data_init_args: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    target: str | None = None,
+    precision: str | int = "32-true",
+) -> ProbeResult:
+    """Measure peak memory of training steps over a grid of ``(b, k)`` and answer the memory question.
+
+    The grid always holds ``(B, 1)`` and, for every ``k``, ``(B/k, k)`` and ``(B/k, 1)``; then ``(b, 2)`` for each
+    fit size, then ``grid``. Each configuration starts from a fresh model, runs ``warmup_steps`` steps (the first
+    creates optimizer state) and ``steps`` measured ones. Every check runs before anything is measured. See the
+    package docstring for the fit, ``device="meta"`` and an example.
+
+    Args:
+        module: a LightningModule (copied per configuration), a factory of one, or an import path ``"pkg.mod:Class"``.
+        data: a LightningDataModule, a callable ``(micro_batch_size, **data_init_args) -> batch``, or an import path.
+        batch_size: the full batch ``B`` per device.
+        accumulation_steps: the ``k`` values to compare; each must divide ``B``.
+        fit_micro_batch_sizes: micro-batch sizes measured with ``k = 2`` for the fit (default ``B/2 .. B/16``).
+        grid: extra ``(b, k)`` configurations.
+        steps: measured optimizer steps per configuration.
+        warmup_steps: unmeasured steps before them.
+        device: where to run; ``"meta"`` traces on fake tensors and predicts for ``target``, allocating nothing.
+        budget_bytes: a memory budget; the result says which micro-batch fits it.
+        module_init_args: keyword arguments for an import-path or factory ``module``.
+        data_init_args: keyword arguments for an import-path ``data`` class or a batch factory.
+        seed: the seed set before building each model.
+        target: with ``device="meta"``, the device to predict for, ``"cpu"`` (default) or ``"cuda"``.
+        precision: as ``Trainer(precision=...)``: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...
+
+    Raises:
+        TypeError: an argument has the wrong type, init args do not fit, or the module lacks ``training_step``.
+        ValueError: a bad ``k``, size, target or precision, no optimizer, or no loss returned.
+        RuntimeError: the module uses manual optimization, or the device is not available.
+        ImportError: an import path names no module or attribute.
+    """
+    batch_size = check_int(batch_size, "batch_size", 1)
+    steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
+    ks = _accumulation_steps(accumulation_steps, batch_size)
+    configs = _configurations(batch_size, ks, fit_micro_batch_sizes, grid)
+    where = _Where.of(device, target, precision)
+    make_module = module_factory(module, module_init_args)
+    _check_module(make_module())  # on a throwaway instance, so that a wrong module fails before any measuring
+    make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
+    measurements, param_bytes, grad_bytes = [], 0, 0
+    for b, k in configs:
+        m, param_bytes, grad_bytes = _measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed)
+        measurements.append(m)
+    result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
+    result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
+    result.headroom = CUDA_HEADROOM if where.target == "cuda" else 0.0
+    _fit(result)
+    return result
+
+
+# ---- the plan -------------------------------------------------------------------------------------------------------
+
+
+def _accumulation_steps(accumulation_steps: Sequence[int], batch_size: int) -> list[int]:
+    ks = sorted({check_int(k, "accumulation_steps", 2) for k in accumulation_steps})
+    for k in ks:
+        if batch_size % k:
+            raise ValueError(
+                f"`accumulation_steps` holds {k}, which does not divide `batch_size`={batch_size}; the comparison "
+                f"needs micro-batches of exactly B/k. Pick a divisor of {batch_size}."
+            )
+    return ks
+
+
+def _configurations(
+    batch_size: int, ks: list[int], fit_micro_batch_sizes: Sequence[int] | None, grid: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    if fit_micro_batch_sizes is None:
+        fit_micro_batch_sizes = sorted({batch_size // d for d in (2, 4, 8, 16) if batch_size // d >= 1})
+    fit_sizes = [check_int(b, "fit_micro_batch_sizes", 1) for b in fit_micro_batch_sizes]
+    configs: list[tuple[int, int]] = [(batch_size, 1)]
+    for k in ks:
+        configs += [(batch_size // k, k), (batch_size // k, 1)]
+    configs += [(b, 2) for b in fit_sizes]
+    for b, k in grid:
+        configs.append((check_int(b, "grid micro-batch size", 1), check_int(k, "grid accumulation steps", 1)))
+    return list(dict.fromkeys(configs))  # drop repeats, keep order
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where the configurations run: a real device, or fake tensors predicting for ``target``; and the precision."""
+
+    device: torch.device
+    target: str | None
+    precision: StepPrecision
+
+    @classmethod
+    def of(cls, device: str | torch.device, target: str | None, precision: str | int) -> _Where:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"`device`={str(device)!r} but CUDA is not available here. Use `device='cpu'`.")
+        if dev.type != "meta" and target not in (None, dev.type):
+            raise ValueError(
+                f"`target`={target!r} only applies with `device`='meta' (a prediction on fake tensors); on "
+                f"`device`={str(device)!r} the target is that device. Drop `target`, or use `device`='meta'."
+            )
+        if dev.type == "meta":
+            FakeTarget(target or "cpu")  # checks the name
+        return cls(dev, (target or "cpu") if dev.type == "meta" else None, StepPrecision(precision))
+
+    @property
+    def label(self) -> str:
+        return str(self.device) if self.target is None else f"{self.device} (as {self.target})"
+
+    def fake(self) -> FakeTarget | None:
+        """A fresh fake-tensor context for one configuration, or ``None`` on a real device."""
+        return None if self.target is None else FakeTarget(self.target)
+
+
+def _fit(result: ProbeResult) -> None:
+    """Fit ``peak(b)`` on the accumulating configurations, and check it on held-out sizes when there are three."""
+    peaks: dict[int, int] = {}
+    for m in result.measurements:  # with several k at one b, the largest peak counts
+        if m.accumulation_steps >= 2:
+            peaks[m.micro_batch_size] = max(peaks.get(m.micro_batch_size, 0), m.peak_bytes)
+    result.peak_model = LinearPeakModel(max_sizes=max(2, len(peaks)))
+    for b, peak in sorted(peaks.items()):
+        result.peak_model.observe(b, peak)
+    sizes = sorted(peaks)
+    result.fit_sizes, result.holdout_sizes = sizes, []
+    if len(sizes) >= 3:
+        result.fit_sizes, result.holdout_sizes = sizes[::2], sizes[1::2]
+        holdout = LinearPeakModel(max_sizes=len(result.fit_sizes))
+        for b in result.fit_sizes:
+            holdout.observe(b, peaks[b])
+        result.holdout_error = holdout.relative_error([(b, peaks[b]) for b in result.holdout_sizes])
+
+
+# ---- the module -----------------------------------------------------------------------------------------------------
+
+
+def optimizers_of(config: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in what ``configure_optimizers`` returned, in any of the forms Lightning accepts.
+
+    Raises:
+        TypeError: the value is none of those forms.
+    """
+    if config is None:
+        return []
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, Mapping):
+        return optimizers_of(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)):  # ([optimizers], [schedulers])
+            return optimizers_of(list(config[0]))
+        return [opt for item in config for opt in optimizers_of(item)]
+    raise TypeError(f"`configure_optimizers` returned {type(config).__name__}, which the probe cannot read.")
+
+
+def _check_module(model: Any) -> None:
+    """Raise if the probe cannot train ``model``: run on one instance before anything is measured."""
+    name = type(model).__name__
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"`module` must build an nn.Module with `training_step` and `configure_optimizers` (a LightningModule), "
+            f"got {name}."
+        )
+    for hook in ("training_step", "configure_optimizers"):
+        if not callable(getattr(model, hook, None)):
+            raise TypeError(f"`module` {name} has no `{hook}` method; pass a LightningModule.")
+    if not getattr(model, "automatic_optimization", True):
+        raise RuntimeError(
+            f"`module` {name} uses manual optimization (`automatic_optimization = False`); the probe drives "
+            "`training_step` itself and needs automatic optimization. Probe a variant with it on."
+        )
+    if not optimizers_of(model.configure_optimizers()):
+        raise ValueError(f"`module` {name}: `configure_optimizers` returned no optimizer.")
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    return output if isinstance(output, torch.Tensor) else None
+
+
+# ---- the measurement ------------------------------------------------------------------------------------------------
+
+
+def _measure(
+    make_module: Callable[[], nn.Module],
+    make_batch: Callable[[int, int], Any],
+    b: int,
+    k: int,
+    steps: int,
+    warmup_steps: int,
+    where: _Where,
+    seed: int,
+) -> tuple[ProbeMeasurement, int, int]:
+    _release(where.device)
+    fake = where.fake()
+    torch.manual_seed(seed)
+    with _entered(fake):
+        model, optimizers = _build(make_module, where, fake)  # a fresh copy: nothing carried over from another (b, k)
+    param_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    # Batches are built before measuring, on the CPU, so the data pipeline's own memory stays out of the peak.
+    batches = [make_batch(i * b, b) for _ in range(warmup_steps + steps) for i in range(k)]
+    blocks = 1 if fake is None else fake.block_bytes
+    tracker = MemoryTracker(model, optimizers, device=where.device if fake is None else fake.device, block_bytes=blocks)
+    with _entered(fake), warnings.catch_warnings(), tracker:
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\).*")  # no Trainer on purpose
+        for step in range(warmup_steps + steps):
+            if step == warmup_steps:
+                _reset_peaks(tracker, where.device)
+            micro_batches = [batches.pop(0) for _ in range(k)]
+            train_step(model, optimizers, micro_batches, tracker, _preparer(where, fake), _autocast(where), step * k)
+    device_peak = _device_peak(where.device)
+    peak = tracker.peak
+    measurement = ProbeMeasurement(b, k, peak.total_bytes, dict(peak.by_category), peak.phase, device_peak)
+    del model, optimizers, tracker
+    gc.collect()
+    return measurement, param_bytes, grad_bytes
+
+
+def _build(
+    make_module: Callable[[], nn.Module], where: _Where, fake: FakeTarget | None
+) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    model = make_module()
+    model = fake.module(model) if fake is not None else model.to(where.device)
+    model = where.precision.convert_module(model)
+    model.train()
+    optimizers = optimizers_of(model.configure_optimizers())
+    return model, optimizers if fake is None else fake.optimizers(optimizers)
+
+
+def _preparer(where: _Where, fake: FakeTarget | None) -> Callable[[Any], Any]:
+    def prepare(batch: Any) -> Any:
+        batch = where.precision.convert_input(batch)
+        return move_data_to_device(batch, where.device) if fake is None else fake.tensors(batch)
+
+    return prepare
+
+
+def _autocast(where: _Where) -> Callable[[], ContextManager[None]]:
+    device_type = "cpu" if where.target is not None else where.device.type  # fake tensors live on the CPU
+    return lambda: where.precision.forward_context(device_type)
+
+
+@contextlib.contextmanager
+def _entered(fake: FakeTarget | None) -> Iterator[None]:
+    if fake is None:
+        yield
+    else:
+        with fake:
+            yield
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _device_peak(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def _reset_peaks(tracker: MemoryTracker, device: torch.device) -> None:
+    tracker.reset_peak()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def train_step(
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    batches: list[Any],
+    tracker: MemoryTracker,
+    prepare: Callable[[Any], Any] = lambda batch: batch,
+    forward_context: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+    batch_idx: int = 0,
+) -> None:
+    """One optimizer step over ``batches`` (its micro-batches, numbered from ``batch_idx``), phases labelled.
+
+    Each micro-batch goes through ``prepare`` (to the device) just before its forward pass, and is counted from then
+    until it is done; ``training_step`` runs inside ``forward_context()`` (autocast), as Lightning's precision
+    plugin runs it. The loss is divided by ``k``, and gradients are set to ``None`` after the step.
+
+    Raises:
+        ValueError: ``training_step`` returned no loss.
+    """
+    k = len(batches)
+    for i in range(k):
+        batch = prepare(batches[i])
+        batches[i] = None
+        tracker.track(batch, "activations")
+        with tracker.phase(f"forward {i + 1}/{k}"), forward_context():
+            loss = _loss_of(model.training_step(batch, batch_idx + i))
+        if loss is None:
+            raise ValueError(
+                f"`module` {type(model).__name__}.training_step returned no loss; the probe needs a Tensor or "
+                "a dict with a 'loss' Tensor."
+            )
+        with tracker.phase(f"backward {i + 1}/{k}"):
+            (loss / k).backward()
+        del loss, batch  # free the micro-batch's activations before the next one, as Lightning does
+    with tracker.phase("optimizer"):
+        for opt in optimizers:
+            opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
