@@ -7,6 +7,8 @@ every ``self.log`` call made during a split step is captured, and when the step 
 * ``reduce_fx="mean"`` (the default): the item-weighted mean over the micro-batches, which is the value the unsplit
   batch would have logged for a mean over items;
 * ``"sum"``, ``"max"``, ``"min"``: the sum, maximum or minimum over the micro-batches;
+* a micro-batch without items (its weight is 0) contributes nothing to a mean, and its value is left out of a sum,
+  maximum or minimum when it is NaN (the 0/0 of a mean over no items);
 * anything else (a torchmetrics ``Metric`` object, a custom reduction): the last micro-batch's value.
 
 The combined value is logged with ``batch_size`` = samples in the step, so epoch aggregates weight steps by samples.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,13 +99,14 @@ def _combine(entries: list[tuple[Any, Any, dict[str, Any]]], reduce_fx: Any) -> 
     if len(values) == 1 or reduction is None or not all(isinstance(v, (Tensor, int, float)) for v in values):
         return values[-1]
     stacked = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(()) for v in values])
-    if reduction == "sum":
-        return stacked.sum().float()
-    if reduction == "max":
-        return stacked.max().float()
-    if reduction == "min":
-        return stacked.min().float()
     weights = torch.stack([torch.as_tensor(w).to(stacked.device, torch.float64).reshape(()) for _, w, _ in entries])
+    # A micro-batch without items contributes nothing: its mean over no items is 0/0 = NaN, and 0 * NaN is NaN too.
+    contributes = (weights > 0) | ~stacked.isnan()
+    if reduction in ("sum", "max", "min"):
+        kept = stacked.masked_fill(~contributes, {"sum": 0.0, "max": -math.inf, "min": math.inf}[reduction])
+        combined = kept.sum() if reduction == "sum" else kept.max() if reduction == "max" else kept.min()
+        return torch.where(contributes.any(), combined, torch.full_like(combined, math.nan)).float()
     total = weights.sum()
+    weighted = torch.where(weights > 0, stacked * weights, torch.zeros_like(stacked)).sum()
     # No items at all (everything masked): fall back to the plain mean rather than 0/0.
-    return torch.where(total > 0, (stacked * weights).sum() / total.clamp(min=1e-30), stacked.mean()).float()
+    return torch.where(total > 0, weighted / total.clamp(min=1e-30), stacked.mean()).float()

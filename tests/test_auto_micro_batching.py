@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import csv
+import warnings
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -312,3 +314,178 @@ def test_a_budget_that_no_size_can_meet_is_reported_once(tmp_path):
     with pytest.warns(UserWarning, match=r"over the budget \(0.00 GiB\) even at the smallest micro-batch size \(2\)"):
         model, expected, _ = fit_split(tmp_path, callback, n=64)
     assert_grads_close(model.step_grads, expected, **FP32)  # still exact, just not within budget
+
+
+# ---- a micro-batch without loss-bearing items (issue 9, item 9) ------------------------------------------------------
+
+
+class NaNOnEmptyModel(SplitTokenModel):
+    """The usual masked mean, without a clamp: NaN (0 / 0) for a micro-batch with no loss-bearing token."""
+
+    def training_step(self, batch, batch_idx):
+        self.micro_batch_sizes.append(len(batch["x"]))
+        per_token = (self.layer(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+        loss = (per_token * batch["mask"]).sum() / batch["mask"].sum()
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+class RecordWindowLoss(Callback):
+    def __init__(self, owner: AutoMicroBatching) -> None:
+        self.owner = owner
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = self.owner.accumulation_state
+        self.values.append(float(state.window_loss_sum) / float(state.window_items))
+
+
+def step_losses(dataset, step_indices, step_grads, lr=0.05):
+    """The token mean the unsplit step batch has at each step's parameters (what it would log)."""
+    reference = SplitTokenModel(lr=lr)
+    losses = []
+    for indices, grads in zip(step_indices, step_grads, strict=True):
+        batch = {k: torch.stack([dataset[i][k] for i in indices]) for k in dataset[0]}
+        with torch.no_grad():
+            losses.append(float(token_loss(reference, batch)))
+            for name, p in reference.named_parameters():
+                p -= lr * grads[name]
+    return losses
+
+
+def test_a_micro_batch_without_items_contributes_nothing(tmp_path):
+    # Micro-batches of 4: step 0's second and step 1's last micro-batch hold only padding.
+    lengths = [0 if 4 <= i < 8 or 28 <= i < 32 else 1 + i % 8 for i in range(32)]
+    dataset = TokenDataset(32, lengths=lengths)
+    model = NaNOnEmptyModel(lr=0.05)
+    initial = copy.deepcopy(model)
+    callback = AutoMicroBatching(4, count_items=count_tokens)
+    window_loss = RecordWindowLoss(callback)
+    logger = CSVLogger(tmp_path, name="logs")
+    trainer = make_trainer(tmp_path, [callback, window_loss], logger=logger, log_every_n_steps=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=16))
+
+    expected_grads = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
+    assert_grads_close(model.step_grads, expected_grads, **FP32)  # not NaN: the empty micro-batch added nothing
+    expected = step_losses(dataset, model.step_indices, expected_grads)
+    assert window_loss.values == pytest.approx(expected, rel=1e-5)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["train_loss_step"]) for r in rows if r.get("train_loss_step")] == pytest.approx(expected, rel=1e-5)
+
+
+# ---- an empty step batch (issue 9, item 17) --------------------------------------------------------------------------
+
+
+def test_an_empty_step_batch_is_reported_as_such(tmp_path):
+    dataset = TokenDataset(8)
+    full = {k: torch.stack([dataset[i][k] for i in range(8)]) for k in dataset[0]}
+    empty = {k: v[:0] for k, v in full.items()}  # e.g. a collate_fn that filtered out every sample
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4)])
+    with pytest.raises(ValueError, match=r"step batch with 0 samples \(batch_idx=1\).*collate_fn"):
+        trainer.fit(SplitTokenModel(), DataLoader([full, empty], batch_size=None))
+
+
+# ---- accumulation set elsewhere (issue 9, item 5) --------------------------------------------------------------------
+
+
+def test_lightnings_gradient_accumulation_scheduler_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4), GradientAccumulationScheduler({0: 2})])
+    with pytest.raises(
+        RuntimeError, match=r"`GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`"
+    ):
+        trainer.fit(SplitTokenModel(), DataLoader(TokenDataset(32), batch_size=8))
+
+
+class SetAccumulationAtEpoch1(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            trainer.accumulate_grad_batches = 3
+
+
+def test_accumulate_grad_batches_set_later_is_refused_before_the_step(tmp_path):
+    model = SplitTokenModel()
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4), SetAccumulationAtEpoch1()], max_epochs=2)
+    with pytest.raises(ValueError, match=r"`trainer.accumulate_grad_batches` became 3 at epoch 1"):
+        trainer.fit(model, DataLoader(TokenDataset(32), batch_size=8))
+    assert trainer.global_step == 4  # epoch 0 trained; nothing of epoch 1 was stepped with a wrong window
+
+
+# ---- the run config (issue 9, item 19) -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "given"),
+    [
+        (
+            {},
+            {
+                "micro_batch_size": "auto",
+                "max_memory": None,
+                "min_micro_batch_size": 1,
+                "count_items": "samples",
+                "loss_reduction": "mean",
+                "pin_micro_batch_size": False,
+                "low_watermark": 0.7,
+                "grow_patience": 20,
+                "oom_cooldown": 200,
+                "predictive": True,
+                "gradient_sync": "deferred",
+            },
+        ),
+        (
+            {
+                "micro_batch_size": 8,
+                "max_memory": "8GiB",
+                "min_micro_batch_size": 2,
+                "count_items": count_tokens,
+                "loss_reduction": "sum",
+                "pin_micro_batch_size": True,
+                "low_watermark": 0.5,
+                "grow_patience": 3,
+                "oom_cooldown": 7,
+                "predictive": False,
+                "gradient_sync": "overlap",
+            },
+            {"count_items": "count_tokens"},
+        ),
+    ],
+    ids=["defaults", "every-argument"],
+)
+def test_settings_hold_every_argument(tmp_path, kwargs, given):
+    callback = AutoMicroBatching(**kwargs)
+    make_trainer(tmp_path, [callback]).fit(SplitTokenModel(), DataLoader(TokenDataset(16), batch_size=8))
+    settings = callback.accumulation_state.settings
+    capacity = settings["memory_capacity_bytes"]
+    expected = {"mode": "split", **kwargs, **given, "memory_capacity_bytes": capacity}
+    expected["max_memory_bytes"] = 8 * 2**30 if kwargs else int(0.9 * capacity)
+    assert settings == expected
+
+
+# ---- batch norm (issue 9, item 20) -----------------------------------------------------------------------------------
+
+
+class BatchNormModel(SplitTokenModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(5)
+
+    def training_step(self, batch, batch_idx):
+        x = self.norm(batch["x"].transpose(1, 2)).transpose(1, 2)
+        return super().training_step({**batch, "x": x}, batch_idx)
+
+
+def test_batch_norm_layers_are_warned_about_once(tmp_path):
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4)])
+    with pytest.warns(UserWarning, match=r"batch-norm layers \(norm: BatchNorm1d\).*GroupNorm or LayerNorm") as record:
+        trainer.fit(BatchNormModel(), DataLoader(TokenDataset(32), batch_size=16))
+    assert sum("batch-norm" in str(w.message) for w in record) == 1
+
+
+def test_a_model_without_batch_norm_gets_no_such_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [AutoMicroBatching(4)]).fit(
+            SplitTokenModel(), DataLoader(TokenDataset(16), batch_size=8)
+        )
+    assert not [w for w in record if "batch-norm" in str(w.message)]

@@ -46,6 +46,14 @@ def test_real_oom_is_recovered_and_the_update_equals_the_full_batch_update(tmp_p
     for name, value in full["params"].items():
         torch.testing.assert_close(split["params"][name], value, rtol=1e-5, atol=1e-6)
 
+    # A `bytearray` that doesn't fit raises `MemoryError()` with no message at all; recovery must not trip over it.
+    scratch = train(tmp_path / "bytearray.pt", "--bytearray")
+    assert scratch.returncode == 0, scratch.stderr[-3000:]
+    scratch_run = torch.load(tmp_path / "bytearray.pt")
+    assert any("(MemoryError (no message))" in line for line in scratch_run["log"]), scratch_run["log"]
+    for name, value in full["params"].items():
+        torch.testing.assert_close(scratch_run["params"][name], value, rtol=1e-5, atol=1e-6)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA out-of-memory error needs a CUDA device")

@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -21,7 +23,7 @@ from lightning_accum import _compat
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
 from lightning_accum.memory.backends import MemoryBackend, backend_for
-from lightning_accum.memory.oom import OOMInjector, is_oom_error, release_memory
+from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -61,7 +63,13 @@ class AutoMicroBatching(Callback):
     * **DDP.** Gradients are accumulated locally and summed across ranks once, after every rank has finished its
       micro-batches (``gradient_sync="deferred"``, the default): an OOM anywhere can then never leave a rank waiting
       in DDP's all-reduce. ``"overlap"`` lets DDP overlap the all-reduce with the last micro-batch's backward; it is
-      faster but an OOM *inside that last backward* on one rank is not recoverable.
+      faster, and an OOM up to the last micro-batch's forward is still retried on every rank, but an OOM *inside
+      that last backward* on one rank is not recoverable: that rank raises at once and the others stop when it
+      exits, or at the process group's timeout.
+    * **Empty micro-batches.** A micro-batch whose ``count_items`` is 0 contributes nothing: its backward is skipped,
+      so a mean over no items (``0 / 0 = NaN``) reaches neither the gradient nor the window loss nor ``self.log``.
+    * **Batch norm** normalizes each micro-batch over its own samples, so a model with batch-norm layers gets a
+      different (not exact) update; a warning says so at setup.
 
     ``self.log`` calls in ``training_step`` are combined into one value per step (see `lightning_accum.step_logs`).
     ``training_step`` outputs other than the loss are those of the last micro-batch.
@@ -87,9 +95,11 @@ class AutoMicroBatching(Callback):
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: ``max_memory`` outside (0, 1] as a fraction or < 1 as bytes, ``micro_batch_size`` < 1, an
-            unknown ``loss_reduction`` or ``gradient_sync``, or ``Trainer(accumulate_grad_batches != 1)``.
-        RuntimeError: manual optimization, a strategy other than single-device or DDP (DeepSpeed, FSDP), or
-            another accumulation callback in the same Trainer.
+            unknown ``loss_reduction`` or ``gradient_sync``, ``Trainer(accumulate_grad_batches != 1)`` (also when
+            something sets ``trainer.accumulate_grad_batches`` during training), or a step batch with 0 samples.
+        RuntimeError: manual optimization, a strategy other than single-device or DDP (DeepSpeed, FSDP), another
+            accumulation callback (or Lightning's ``GradientAccumulationScheduler``) in the same Trainer, an error on
+            another rank, or, with ``gradient_sync="overlap"``, an error inside the synced backward.
 
     Examples:
         >>> from lightning.pytorch import Trainer
@@ -112,6 +122,7 @@ class AutoMicroBatching(Callback):
         gradient_sync: GradientSync = "deferred",
         fault_injector: OOMInjector | None = None,
     ) -> None:
+        self._max_memory_given = max_memory  # as the user wrote it, for the run config
         self.max_memory = _check_max_memory(max_memory)
         if pin_micro_batch_size and micro_batch_size == "auto":
             raise ValueError(
@@ -149,6 +160,7 @@ class AutoMicroBatching(Callback):
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
         self._undo: list[Any] = []
+        self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -182,6 +194,15 @@ class AutoMicroBatching(Callback):
                 f"`AutoMicroBatching` and `{type(others[0]).__name__}` both want to own gradient accumulation."
                 " Keep one of them."
             )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise RuntimeError(
+                "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
+                " `trainer.accumulate_grad_batches` at each epoch start, and in split mode each dataloader batch is one"
+                " optimizer step. Remove `GradientAccumulationScheduler`; to grow the effective batch size, make the"
+                " dataloader yield larger step batches (`AutoMicroBatching` splits them to fit memory), or use"
+                " `AccumulationScheduler` (window mode) instead of `AutoMicroBatching`."
+            )
+        _warn_about_batch_norm(pl_module)
         trainer.callbacks.remove(self)
         trainer.callbacks.insert(0, self)  # the exact gradient before any other `on_before_optimizer_step`
         self.accumulation_state.world_size = trainer.world_size
@@ -195,13 +216,21 @@ class AutoMicroBatching(Callback):
         self.planner.budget_bytes = budget
         self._logs = StepLogCombiner(pl_module)
         self._undo.append(_compat.install_split_closure(trainer, self._run_step))
+        planner = self.planner
         self.accumulation_state.settings = {
             "mode": "split",
-            "micro_batch_size": self.planner.micro_batch_size_setting,
-            "max_memory_bytes": budget,
+            "micro_batch_size": planner.micro_batch_size_setting,
+            "max_memory": self._max_memory_given,
+            "max_memory_bytes": int(budget),
             "memory_capacity_bytes": capacity,
-            "count_items": getattr(self.count_items, "__qualname__", None) or repr(self.count_items or "samples"),
+            "min_micro_batch_size": planner.min_micro_batch_size,
+            "count_items": _describe_counter(self.count_items),
             "loss_reduction": self.loss_reduction,
+            "pin_micro_batch_size": planner.pinned,
+            "low_watermark": planner.low_watermark,
+            "grow_patience": planner.grow_patience,
+            "oom_cooldown": planner.oom_cooldown,
+            "predictive": planner.predictive,
             "gradient_sync": self.gradient_sync,
         }
         _log_info(
@@ -211,6 +240,19 @@ class AutoMicroBatching(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._undo_patches()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning doesn't call `teardown` on callbacks when `fit` raises; a second `fit` of the same Trainer must
+        # find its loop unpatched and no half-finished step behind.
+        self._undo_patches()
+        self._grads_summed = False
+        self._size_changed = False
+        if self._logs is not None:
+            self._logs.clear()
+
+    def _undo_patches(self) -> None:
         while self._undo:
             self._undo.pop()()
 
@@ -222,6 +264,15 @@ class AutoMicroBatching(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self._backend is not None
+        if trainer.accumulate_grad_batches != 1:
+            # Set after `setup` (by a callback such as `GradientAccumulationScheduler`, or by hand): Lightning would
+            # skip optimizer steps, and split mode would silently drop step batches.
+            raise ValueError(
+                f"`trainer.accumulate_grad_batches` became {trainer.accumulate_grad_batches} at epoch"
+                f" {trainer.current_epoch}, but `AutoMicroBatching` needs 1: in split mode each dataloader batch is one"
+                " optimizer step. Remove whatever sets it (e.g. a `GradientAccumulationScheduler`), and make the"
+                " dataloader yield larger step batches to grow the effective batch size."
+            )
         if self._size_changed:
             # Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak
             # measured at the new size; release it once, not every step (re-faulting pages costs throughput).
@@ -231,29 +282,39 @@ class AutoMicroBatching(Callback):
         self._retries_at_start = self._backend.alloc_retries()
 
     def _run_step(self, context: _compat.SplitStepContext) -> Any:
-        """The closure of one optimizer step: every micro-batch's forward and backward, retried after an OOM."""
+        """The closure of one optimizer step: every micro-batch's forward and backward, retried after an OOM.
+
+        Every rank agrees on the outcome of each attempt with exactly one small all-reduce: at its end
+        (``"deferred"``), or after the last forward and before DDP's synced backward (``"overlap"`` under DDP). A rank
+        that fails earlier goes straight to that agreement; the others meet it there.
+        """
         trainer = self._trainer
-        assert trainer is not None
-        step_batch_size = batch_size_of(context.batch)
+        assert trainer is not None and self._backend is not None
         module = trainer.lightning_module
+        step_batch_size: int | None = None
+        _broadcast_buffers_now(trainer)
         while True:
-            self._size = self.planner.size_for(step_batch_size)
-            fault = _NO_FAULT
+            fault, detail = _NO_FAULT, ""
+            agreed: int | None = None
+            self._agreed = False
             try:
                 # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
                 with _compat.hook_context(module):
+                    if step_batch_size is None:
+                        step_batch_size = _step_batch_size(context)
+                    self._size = self.planner.size_for(step_batch_size)
                     outcome = self._attempt(trainer, context, self._size)
+            except _PeerFault as peer:
+                agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
             except Exception as err:  # classified below; anything that isn't an OOM is re-raised after agreement
+                if self._agreed:
+                    raise  # inside the synced backward: the other ranks are in DDP's all-reduce, not in an agreement
                 if not is_oom_error(err):
                     self._agree_on_fault(trainer, _OTHER_ERROR)
                     raise
-                fault = _OOM
-                detail = str(err).splitlines()[0][:200]
-            if fault == _OOM:
-                # The failed attempt's graph died with its frame; drop its gradients and cached blocks too.
-                context.zero_grad()
-                release_memory()
-            agreed = self._agree_on_fault(trainer, fault)
+                fault, detail = _OOM, describe_error(err)
+            if agreed is None:
+                agreed = _NO_FAULT if self._agreed else self._agree_on_fault(trainer, fault)
             if agreed == _NO_FAULT:
                 break
             if agreed == _OTHER_ERROR:
@@ -267,12 +328,18 @@ class AutoMicroBatching(Callback):
             where = detail if fault == _OOM else "on another rank"
             _log_info(f"lightning_accum: OOM at micro-batch size {before} ({where}); retrying the step")
             self._take_planner_events(trainer)
+            # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no
+            # cached blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the
+            # smaller size, would make the planner shrink a second time).
+            context.zero_grad()
+            release_memory()
+            self._backend.reset_peak()
         loss, extra = outcome
         if self.gradient_sync == "deferred" and trainer.world_size > 1:
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
             self.gradient_allreduces += all_reduce_gradients(params, _compat.ddp_process_group(trainer.strategy))
             self._grads_summed = True
-        assert self._logs is not None
+        assert self._logs is not None and step_batch_size is not None
         with _compat.hook_context(module, "training_step"):  # where the user called `self.log`
             self._logs.replay(batch_size=step_batch_size)
         return context.make_result(loss, extra)
@@ -284,20 +351,21 @@ class AutoMicroBatching(Callback):
         self._logs.clear()
         context.zero_grad()
         micro_batches = split_batch(context.batch, size)
+        counts = [count_items(micro_batch, self.count_items) for micro_batch in micro_batches]
+        empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
         self.normalizer.start_window(len(micro_batches))
         weighted_loss: Tensor | float = 0.0
         total_weight: Tensor | float = 0.0
         extra: dict[str, Any] = {}
         rank, step = trainer.global_rank, trainer.global_step
+        synced_last = self.gradient_sync == "overlap" and trainer.world_size > 1
         for index, micro_batch in enumerate(micro_batches):
-            n_items = count_items(micro_batch, self.count_items)
+            n_items = counts[index]
             weight = self.normalizer.add_micro_batch(n_items, batch_size_of(micro_batch))
-            last = index == len(micro_batches) - 1
-            if last and self.gradient_sync == "overlap" and trainer.world_size > 1:
-                # Agree that every rank got this far before DDP's synced backward; past here an OOM is fatal.
-                if self._agree_on_fault(trainer, _NO_FAULT) != _NO_FAULT:
-                    raise RuntimeError("Another rank failed before the synced backward; this rank stops too.")
-            with self._sync_blocked(trainer, blocked=not last or self.gradient_sync == "deferred"):
+            synced = synced_last and index == len(micro_batches) - 1
+            # Every forward runs without DDP's sync, so an attempt abandoned before the synced backward leaves DDP's
+            # reducer as it found it; so does every backward but the synced one.
+            with self._sync_blocked(trainer, blocked=True):
                 if self.fault_injector is not None:
                     self.fault_injector.check(
                         rank=rank, step=step, micro_batch=index, phase="forward", micro_batch_size=size
@@ -314,17 +382,56 @@ class AutoMicroBatching(Callback):
                     self.fault_injector.arm_backward(
                         loss, rank=rank, step=step, micro_batch=index, micro_batch_size=size
                     )
-                if context.backward is not None:
+                # An empty micro-batch has weight 0, but its loss may be a mean over no items (NaN), and 0 * NaN is
+                # NaN in every gradient: skip its backward instead.
+                if context.backward is not None and not synced and not empty[index]:
                     context.backward(loss * weight)
-            item_weight = n_items if self.loss_reduction == "mean" else 1
-            weighted_loss = weighted_loss + loss.detach() * item_weight
-            total_weight = total_weight + n_items
+            if synced:
+                self._synced_backward(trainer, context, loss * weight, empty[index])
+            if not empty[index]:
+                item_weight = n_items if self.loss_reduction == "mean" else 1
+                weighted_loss = weighted_loss + loss.detach() * item_weight
+                total_weight = total_weight + n_items
             extra = result.extra
             del result, loss
         window_loss = torch.as_tensor(weighted_loss) / torch.as_tensor(total_weight).clamp(min=1)
         self.accumulation_state.window_loss_sum = weighted_loss
         self.accumulation_state.window_items = total_weight
         return window_loss, extra
+
+    def _synced_backward(
+        self, trainer: pl.Trainer, context: _compat.SplitStepContext, loss: Tensor, empty: bool
+    ) -> None:
+        """Overlap mode under DDP: agree that every rank finished its forwards, then run the backward DDP syncs."""
+        agreed = self._agree_on_fault(trainer, _NO_FAULT)
+        if agreed != _NO_FAULT:
+            raise _PeerFault(agreed)
+        self._agreed = True  # from here on, a fault on one rank cannot be retried: the others are in the all-reduce
+        if context.backward is None:
+            return  # Lightning skips the backward on every rank alike; DDP's reducer must then stay unprepared
+        if empty:
+            # DDP's all-reduce needs this rank's gradients; zero, not NaN, and reaching every parameter.
+            loss = torch.stack([(p * 0).sum() for p in trainer.lightning_module.parameters() if p.requires_grad]).sum()
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            _prepare_ddp_backward(model, loss)
+        try:
+            context.backward(loss)
+        except Exception as err:
+            if is_oom_error(err):
+                raise RuntimeError(
+                    f"Out of memory inside the synced backward of the last micro-batch (`gradient_sync='overlap'`,"
+                    f" micro-batch size {self._size}, step {trainer.global_step}: {describe_error(err)}). The other"
+                    " ranks are already exchanging gradients in DDP's all-reduce, so this step cannot be retried; they"
+                    " stop when this process exits, or at the process group's timeout. Use `gradient_sync='deferred'`"
+                    " (the default), which recovers from an OOM in any forward or backward, or leave more memory"
+                    " headroom (a lower `max_memory` or `micro_batch_size`)."
+                ) from err
+            raise RuntimeError(
+                f"{type(err).__name__} inside the synced backward of the last micro-batch (`gradient_sync='overlap'`):"
+                f" {describe_error(err)}. If another rank failed inside its synced backward (an out-of-memory error),"
+                " this is how the failure reaches this rank: see that rank's traceback."
+            ) from err
 
     def _agree_on_fault(self, trainer: pl.Trainer, fault: int) -> int:
         """The worst fault over all ranks (one small all-reduce; every rank calls it once per attempt)."""
@@ -454,6 +561,95 @@ def _check_max_memory(max_memory: Any) -> float | int:
     if max_memory < 1:
         raise ValueError(f"`max_memory` in bytes must be >= 1, got {max_memory}. For a fraction pass a float.")
     return max_memory
+
+
+class _PeerFault(Exception):
+    """This rank finished its forwards, but the agreement before the synced backward reported a fault elsewhere."""
+
+    def __init__(self, agreed: int) -> None:
+        super().__init__(agreed)
+        self.agreed = agreed
+
+
+def _step_batch_size(context: _compat.SplitStepContext) -> int:
+    size = batch_size_of(context.batch)
+    if size < 1:
+        raise ValueError(
+            f"`AutoMicroBatching` got a step batch with 0 samples (batch_idx={context.batch_idx}): there is nothing to"
+            " split into micro-batches or to step on. Every batch the training dataloader yields must hold at least"
+            " one sample. Check the batch sampler (one that yields an empty list of indices) and the collate_fn (one"
+            " that filters out every sample of a batch), and skip such batches in the dataloader; if only the short"
+            " last batch can end up empty, `DataLoader(drop_last=True)` drops it."
+        )
+    return size
+
+
+def _is_zero(counts: list[int | Tensor]) -> list[bool]:
+    """Which micro-batches hold no items: one host read for the whole attempt, none when the counts are ints."""
+    tensors = [c for c in counts if isinstance(c, Tensor)]
+    if not tensors:
+        return [c == 0 for c in counts]
+    device = tensors[0].device
+    flags = torch.stack([torch.as_tensor(c, device=device).reshape(()) == 0 for c in counts])
+    return [bool(flag) for flag in flags.tolist()]
+
+
+def _prepare_ddp_backward(model: DistributedDataParallel, loss: Tensor) -> None:
+    """Arm DDP's reducer for a backward whose forward ran under ``no_sync``, as DDP's own forward would have.
+
+    The end of ``DistributedDataParallel.forward`` (``_post_forward`` in ``torch/nn/parallel/distributed.py``) does
+    this when gradients are to be synced; Lightning does the same for manual optimization
+    (``lightning.pytorch.overrides.distributed.prepare_for_backward``). Arming it only after every rank agreed that
+    its forwards succeeded means that an attempt abandoned because of another rank's fault never leaves the reducer
+    expecting a backward: the retry's first micro-batch would otherwise start an all-reduce on this rank alone.
+    """
+    model.require_forward_param_sync = True
+    reducer = model.reducer
+    reducer.prepare_for_forward()  # counts the iteration, as the synced forward would have
+    reducer._rebuild_buckets()  # Lightning: avoids "INTERNAL ASSERT FAILED" with `find_unused_parameters=False`
+    reducer.prepare_for_backward([loss] if model.find_unused_parameters and not model.static_graph else [])
+
+
+def _broadcast_buffers_now(trainer: pl.Trainer) -> None:
+    """Do DDP's buffer broadcast (batch-norm statistics, from rank 0) at the start of the step, not in a forward.
+
+    DDP broadcasts buffers at the start of a forward when ``require_forward_param_sync`` is set (after a synced
+    backward), and clears the flag at the end of a forward under ``no_sync``. Inside an attempt that collective is a
+    trap: a rank that fails before its first forward leaves the others alone in the broadcast, and a rank whose
+    forward raised keeps the flag and alone broadcasts again at the retry. Here, before anything can fail, every rank
+    is at the same point; with the flag cleared, no forward of the step broadcasts.
+    """
+    model = trainer.strategy.model
+    if not isinstance(model, DistributedDataParallel) or trainer.world_size <= 1:
+        return
+    if model.will_sync_module_buffers():
+        model._sync_buffers()
+    model.require_forward_param_sync = False
+
+
+def _describe_counter(counter: ItemCounter | None) -> str:
+    if counter is None:
+        return "samples"
+    return getattr(counter, "__qualname__", None) or repr(counter)
+
+
+def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
+    layers = [
+        f"{name}: {type(module).__name__}"
+        for name, module in pl_module.named_modules()
+        if isinstance(module, _BatchNorm)
+    ]
+    if not layers:
+        return
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    rank_zero_warn(
+        f"The LightningModule has batch-norm layers ({shown}). `AutoMicroBatching` runs the step batch in"
+        " micro-batches, and batch norm normalizes each micro-batch over its own samples, so the update is not the"
+        " full-batch update (the one part of split mode that is not exact) and the running statistics differ too."
+        " Use GroupNorm or LayerNorm, or keep the step batch in one piece with"
+        " `AutoMicroBatching(<step batch size>, pin_micro_batch_size=True)` if it fits (it is still split after an"
+        " OOM)."
+    )
 
 
 @rank_zero_only

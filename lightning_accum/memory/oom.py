@@ -79,6 +79,25 @@ def _is_oom(exc: BaseException) -> bool:
     return any(pattern in message for pattern in _OOM_MESSAGES)
 
 
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    r"""The first line of ``exc``'s message (cut to ``limit`` characters), or its type name when it has none.
+
+    Allocation failures often carry no message at all: ``bytearray`` raises a bare ``MemoryError()`` when ``malloc``
+    fails, and so does code that re-raises a ``torch.OutOfMemoryError()`` it built itself.
+
+    Examples:
+        >>> describe_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail"))
+        'CUDA out of memory. Tried to allocate 2.00 GiB'
+        >>> describe_error(MemoryError())
+        'MemoryError (no message)'
+    """
+    lines = str(exc).strip().splitlines()
+    if not lines or not lines[0].strip():
+        return f"{type(exc).__name__} (no message)"
+    line = lines[0].strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def release_memory() -> None:
     """Free what an OOM left behind: unreachable Python objects, then the device caches that are initialised.
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_accum.memory import OOMFault, OOMInjector, is_oom_error, oom_error, release_memory
+from lightning_accum.memory.oom import describe_error
 
 # ---- is_oom_error ---------------------------------------------------------------------------------------------------
 
@@ -73,6 +74,29 @@ def test_explicitly_chained_oom_is_oom_but_an_error_while_handling_one_is_not():
     except KeyError as other:
         assert other.__context__ is not None
         assert not is_oom_error(other)
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (MemoryError(), "MemoryError (no message)"),  # what a failed `bytearray` allocation raises
+        (torch.OutOfMemoryError(), "OutOfMemoryError (no message)"),
+        (RuntimeError("\n  \n"), "RuntimeError (no message)"),
+        (
+            oom_error("cpu", nbytes=8),
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate"
+            " memory: you tried to allocate 8 bytes. Error code 12 (Cannot allocate memory)",
+        ),
+        (torch.OutOfMemoryError("CUDA out of memory.\nSee the documentation"), "CUDA out of memory."),
+    ],
+    ids=["bare-MemoryError", "empty-OutOfMemoryError", "blank", "cpu", "multi-line"],
+)
+def test_describe_error_never_fails_on_an_empty_message(exc: BaseException, expected: str):
+    assert describe_error(exc) == expected
+    short = describe_error(exc, limit=12)
+    assert (
+        short == expected if len(expected) <= 12 or expected.endswith("(no message)") else short == expected[:9] + "..."
+    )
 
 
 def test_release_memory_runs_without_a_gpu():

@@ -1,13 +1,16 @@
 """Train under a real address-space limit where the whole step batch cannot fit (run as a subprocess).
 
-Usage: python -m tests.scripts.real_oom OUT.pt HEADROOM_MIB [--no-limit] [--plain]
+Usage: python -m tests.scripts.real_oom OUT.pt HEADROOM_MIB [--no-limit] [--plain] [--bytearray]
 
 ``--plain`` trains without AutoMicroBatching (the unconstrained full-batch reference); ``--no-limit`` skips the
-limit. The final parameters and what the callback did are saved to OUT.pt.
+limit. ``--bytearray`` makes ``training_step`` first allocate a scratch ``bytearray`` of ``BYTEARRAY_PER_SAMPLE``
+bytes per sample, whose failure is a bare ``MemoryError()`` without a message. The final parameters, what the
+callback did and its log lines are saved to OUT.pt.
 """
 
 from __future__ import annotations
 
+import logging
 import resource
 import sys
 
@@ -20,18 +23,32 @@ from lightning_accum import AutoMicroBatching
 
 STEP_BATCH = 2048
 WIDTH = 8192
+BYTEARRAY_PER_SAMPLE = 80 * 1024  # 160 MiB for the whole step batch: more than the headroom
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class Wide(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, scratch_per_sample: int = 0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
         self.sizes: list[int] = []
+        self.scratch_per_sample = scratch_per_sample
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.sizes.append(len(x))
+        if self.scratch_per_sample:
+            scratch = bytearray(len(x) * self.scratch_per_sample)  # host scratch memory, e.g. a decoding buffer
+            del scratch
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -51,8 +68,11 @@ def main() -> None:
     plain = "--plain" in sys.argv
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(3 * STEP_BATCH, 64, generator=g), torch.randn(3 * STEP_BATCH, 1, generator=g))
-    model = Wide()
+    model = Wide(BYTEARRAY_PER_SAMPLE if "--bytearray" in sys.argv else 0)
     callback = None if plain else AutoMicroBatching("auto", max_memory=1.0)
+    lines = _Lines()
+    logging.getLogger("lightning_accum").addHandler(lines)
+    logging.getLogger("lightning_accum").setLevel(logging.INFO)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=1,
@@ -78,6 +98,7 @@ def main() -> None:
             "events": [(e.step, e.kind, e.before, e.after) for e in callback.accumulation_state.events]
             if callback
             else [],
+            "log": lines.lines,
         },
         out,
     )
