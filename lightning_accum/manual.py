@@ -19,11 +19,11 @@ from lightning_accum.normalization import (
     LossReduction,
     WindowNormalizer,
     WindowTotals,
-    batch_size_of,
     check_loss_reduction,
     count_items,
 )
 from lightning_accum.schedules import AccumulationSchedule, ConstantSchedule, Progress, as_schedule
+from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
 
 
 class ManualAccumulation:
@@ -80,6 +80,7 @@ class ManualAccumulation:
         self._k = 1
         self._position = -1  # -1: no window open
         self._epoch = -1
+        self._hooks: BatchHooks | None = None
 
     def backward(
         self,
@@ -106,9 +107,13 @@ class ManualAccumulation:
             ValueError: the module has several optimizers and ``optimizer`` is not given.
         """
         trainer = module.trainer
+        if self._hooks is None:
+            self._hooks = resolve_batch_hooks(module)  # the module's `batch_size_of` method, if it has one
+        n_samples = self._hooks.batch_size(batch)
         if self._position < 0 or trainer.current_epoch != self._epoch:
-            self._start_window(trainer, batch_size_of(batch))
-        weight = self.normalizer.add_micro_batch(count_items(batch, self.count_items), batch_size_of(batch))
+            self._start_window(trainer, n_samples)
+        n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
+        weight = self.normalizer.add_micro_batch(n_items, n_samples)
         window_complete = self._position >= self._k - 1 or _compat.is_last_training_batch(trainer)
         blocking = trainer.strategy.block_backward_sync() if hasattr(trainer.strategy, "block_backward_sync") else None
         with blocking if (blocking is not None and not window_complete) else contextlib.nullcontext():

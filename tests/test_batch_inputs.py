@@ -248,3 +248,111 @@ def test_detection_batches_are_split_into_exact_micro_batches(tmp_path, form):
             for name, p in reference.named_parameters():
                 p -= 0.1 * grads[name]
     assert_grads_close(model.step_grads, expected, **FP32)
+
+
+# ---- the user's own hooks, wired into the callbacks ------------------------------------------------------------------
+
+
+class PairBatch:
+    """A batch the built-in rules can't read: samples live in a private list of (x, y) pairs."""
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        self._pairs = pairs
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        xs, ys = zip(*self._pairs, strict=True)
+        return torch.stack(xs), torch.stack(ys)
+
+
+def split_pairs(batch: PairBatch, micro_batch_size: int) -> list[PairBatch]:
+    pairs = batch._pairs
+    return [PairBatch(pairs[i : i + micro_batch_size]) for i in range(0, len(pairs), micro_batch_size)]
+
+
+def count_pairs(batch: PairBatch) -> int:
+    return len(batch._pairs)
+
+
+def collate_pairs(samples: list[dict[str, Tensor]]) -> PairBatch:
+    return PairBatch([(s["x"], s["y"]) for s in samples])
+
+
+class PairModel(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.split_mode = True
+        self.micro_batch_sizes: list[int] = []
+
+    def training_step(self, batch: PairBatch, batch_idx: int) -> Tensor:
+        x, y = batch.stacked()
+        self.micro_batch_sizes.append(len(x))
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+class PairModelWithHooks(PairModel):
+    def split_batch(self, batch: PairBatch, micro_batch_size: int) -> list[PairBatch]:
+        return split_pairs(batch, micro_batch_size)
+
+    def batch_size_of(self, batch: PairBatch) -> int:
+        return count_pairs(batch)
+
+
+def _pair_reference(initial: nn.Module, dataset: IndexedDataset, step_batch: int, steps: int) -> list[dict]:
+    reference, expected = copy.deepcopy(initial), []
+    for step in range(steps):
+        rows = slice(step * step_batch, (step + 1) * step_batch)
+        reference.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(reference.layer(dataset.x[rows]), dataset.y[rows]).backward()
+        grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        expected.append(grads)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p -= 0.1 * grads[name]
+    return expected
+
+
+@pytest.mark.parametrize("where", ["arguments", "import-paths", "module-methods"])
+def test_split_mode_uses_the_users_hooks(tmp_path, where):
+    dataset = IndexedDataset(12)
+    if where == "module-methods":
+        model, callback = PairModelWithHooks(), AutoMicroBatching(4)
+    elif where == "arguments":
+        model, callback = PairModel(), AutoMicroBatching(4, split_batch=split_pairs, batch_size_of=count_pairs)
+    else:
+        paths = {name: f"tests.test_batch_inputs:{name}" for name in ("split_pairs", "count_pairs")}
+        model = PairModel()
+        callback = AutoMicroBatching(4, split_batch=paths["split_pairs"], batch_size_of=paths["count_pairs"])
+    initial = copy.deepcopy(model)
+    make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=6, collate_fn=collate_pairs))
+
+    assert model.micro_batch_sizes == [3, 3, 3, 3]  # two step batches of 6, cut by the hook into 2 balanced halves
+    assert callback.accumulation_state.samples_per_step == 6
+    assert_grads_close(model.step_grads, _pair_reference(initial, dataset, 6, 2), **FP32)
+    settings = callback.accumulation_state.settings
+    expected_source = "PairModelWithHooks." if where == "module-methods" else "argument"
+    assert expected_source in settings["split_batch"] and expected_source in settings["batch_size_of"]
+
+
+def test_without_hooks_the_opaque_batch_is_a_clear_error(tmp_path):
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4)])
+    loader = DataLoader(IndexedDataset(12), batch_size=6, collate_fn=collate_pairs)
+    with pytest.raises(TypeError, match=r"PairBatch.*pass `batch_size_of=`"):
+        trainer.fit(PairModel(), loader)
+
+
+def test_window_mode_counts_samples_with_the_modules_batch_size_of(tmp_path):
+    class Model(PairModelWithHooks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.split_mode = False
+
+    scheduler = AccumulationScheduler(2)
+    model = Model()
+    make_trainer(tmp_path, [scheduler]).fit(
+        model, DataLoader(IndexedDataset(12), batch_size=3, collate_fn=collate_pairs)
+    )
+    assert scheduler.accumulation_state.consumed_samples == 12
+    assert scheduler.accumulation_state.samples_per_step == 6

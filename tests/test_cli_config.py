@@ -301,3 +301,19 @@ def test_the_documented_ways_to_reach_a_callback_that_is_not_last(tmp_path: Path
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     assert (splitter.max_memory, splitter.count_items) == (2**30, None)
     assert not any(isinstance(cb, AccumulationMonitor) for cb in cli.trainer.callbacks)
+
+
+def test_batch_hooks_from_yaml_as_import_paths(tmp_path: Path) -> None:
+    from lightning_accum import AutoMicroBatching
+    from tests.test_batch_inputs import count_pairs, split_pairs
+
+    init_args = {
+        "split_batch": "tests.test_batch_inputs:split_pairs",
+        "batch_size_of": "tests.test_batch_inputs.count_pairs",
+    }
+    config = tmp_path / "hooks.yaml"
+    callback = {"class_path": "lightning_accum.AutoMicroBatching", "init_args": init_args}
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    cli = build(tmp_path, f"--config={config}")
+    (built,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    assert built._hooks.split_batch is split_pairs and built._hooks.batch_size_of is count_pairs

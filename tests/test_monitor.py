@@ -462,3 +462,28 @@ def test_accumulation_steps_is_the_steps_own_count_on_a_short_tail(tmp_path):
     rows = read_csv(csv_logger.log_dir)
     assert [rows[s][keys.ACCUMULATION_STEPS] for s in sorted(rows)] == [4, 4, 2]
     assert [rows[s][keys.EFFECTIVE_BATCH_SIZE] for s in sorted(rows)] == [16, 16, 8]
+
+
+def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
+    # Issue 9, item 19: every argument of the owner, the budget as given and in bytes, and the schedule's real unit.
+    from lightning_accum import AutoMicroBatching, BatchSizeRamp
+
+    split = AutoMicroBatching(4, max_memory="20GiB", grow_patience=7, low_watermark=0.6, oom_cooldown=11)
+    ramp = AccumulationScheduler(BatchSizeRamp(start=4, target=8, increment=4, ramp_samples=16))
+    for name, owner, batch_size in (("split", split, 8), ("window", ramp, 4)):
+        wandb_logger = WandbLogger(project="accum", name=name, save_dir=str(tmp_path / name))
+        model = RegressionModel()
+        model.split_mode = name == "split"
+        trainer = make_trainer(tmp_path / name, [owner, AccumulationMonitor()], logger=wandb_logger)
+        trainer.fit(model, DataLoader(IndexedDataset(16), batch_size=batch_size))
+        finish_wandb()
+        config = read_offline_run(tmp_path / name / "wandb", wait_s=10).config[CONFIG_KEY]
+        if name == "split":
+            assert config["max_memory"] == "20GiB" and config["max_memory_bytes"] == 20 * 2**30
+            expected = {"grow_patience": 7, "low_watermark": 0.6, "oom_cooldown": 11, "predictive": True}
+            expected |= {"pin_micro_batch_size": False, "min_micro_batch_size": 1, "gradient_sync": "deferred"}
+            expected |= {"micro_batch_size": 4, "count_items": "samples", "loss_reduction": "mean"}
+            assert expected.items() <= config.items()
+        else:
+            assert config["unit"] == "sample"
+            assert config["schedule"].startswith("BatchSizeRamp(start=4, target=8")

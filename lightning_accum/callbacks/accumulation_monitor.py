@@ -17,7 +17,8 @@ from lightning_accum import _compat
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.monitoring import StepFigures, WeightedMean, budget_fraction, event_metrics
-from lightning_accum.normalization import batch_size_of, count_items
+from lightning_accum.normalization import count_items
+from lightning_accum.splitting import resolve_batch_hooks
 from lightning_accum.state import AccumulationState, find_state
 
 
@@ -94,6 +95,7 @@ class AccumulationMonitor(Callback):
         self._capacity_bytes = 0
         self._owner: Any = None
         self._loss = WeightedMean()  # syncs across ranks at logging steps
+        self._hooks = resolve_batch_hooks(None)
         self._reset_fit_counters()
 
     def _reset_fit_counters(self) -> None:
@@ -127,6 +129,7 @@ class AccumulationMonitor(Callback):
         self._capacity_bytes = self._backend.capacity_bytes()  # read once: on CPU it walks the cgroup files
         self._loss = self._loss.to(trainer.strategy.root_device)
         self._loss.reset()
+        self._hooks = resolve_batch_hooks(pl_module)  # counts samples when no callback owns accumulation
 
     def _setup_wandb(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
@@ -183,7 +186,7 @@ class AccumulationMonitor(Callback):
         owner = self._owner
         state = owner.accumulation_state if owner is not None else None
         if state is None:
-            n_samples = batch_size_of(batch)
+            n_samples = self._hooks.batch_size(batch)
             if self._window_micro_batches == 0:
                 self._window_first_size = n_samples
             self._window_samples += n_samples
@@ -217,7 +220,11 @@ class AccumulationMonitor(Callback):
         if not isinstance(loss, Tensor):
             return  # training_step skipped this micro-batch
         counted = owner.accumulation_state.micro_batch_items if owner is not None else None
-        n_items = counted if counted is not None else count_items(batch, getattr(owner, "count_items", None))
+        if counted is not None:
+            n_items = counted
+        else:
+            counter = getattr(owner, "count_items", None)
+            n_items = self._hooks.batch_size(batch) if counter is None else count_items(batch, counter)
         # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
         k = trainer.accumulate_grad_batches
         # (Split mode never gets here: its owner provides the window loss, see `_provides_window_loss`.)

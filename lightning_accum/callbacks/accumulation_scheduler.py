@@ -21,7 +21,6 @@ from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
     WindowNormalizer,
-    batch_size_of,
     check_loss_reduction,
     count_items,
 )
@@ -33,6 +32,7 @@ from lightning_accum.schedules import (
     as_schedule,
     count_optimizer_steps,
 )
+from lightning_accum.splitting import resolve_batch_hooks
 from lightning_accum.state import AccumulationEvent, AccumulationState
 
 log = logging.getLogger("lightning_accum")
@@ -115,6 +115,7 @@ class AccumulationScheduler(Callback):
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._undo: list[Callable[[], None]] = []
         self._trainer: pl.Trainer | None = None
+        self._hooks = resolve_batch_hooks(None)
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -128,6 +129,7 @@ class AccumulationScheduler(Callback):
         self._validate(trainer, pl_module)
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
+        self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
         # Run first among callbacks, so that every other `on_before_optimizer_step` sees the exact gradient.
         trainer.callbacks.remove(self)
         trainer.callbacks.insert(0, self)
@@ -228,14 +230,15 @@ class AccumulationScheduler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        n_samples = batch_size_of(batch)
+        n_samples = self._hooks.batch_size(batch)
         if self._new_window or self._stepped:
             self._start_window(trainer, n_samples)
         else:
             self._position += 1
         self._stepped = False
         # Counted at backward time: a micro-batch whose `training_step` returns None has no backward and no items.
-        self._pending_counts = (count_items(batch, self.count_items), n_samples)
+        n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
+        self._pending_counts = (n_items, n_samples)
         self.accumulation_state.micro_batch_items = self._pending_counts[0]
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:

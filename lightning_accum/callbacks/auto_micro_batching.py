@@ -28,12 +28,11 @@ from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
     WindowNormalizer,
-    batch_size_of,
     check_loss_reduction,
     count_items,
 )
 from lightning_accum.planner import MicroBatchPlanner
-from lightning_accum.splitting import split_batch
+from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.state import AccumulationEvent, AccumulationState
 from lightning_accum.step_logs import StepLogCombiner
 
@@ -90,6 +89,12 @@ class AutoMicroBatching(Callback):
         predictive: predict sizes from the fitted memory model instead of halving and doubling.
         gradient_sync: ``"deferred"`` (OOM-safe under DDP) or ``"overlap"`` (faster, not OOM-safe in the last
             backward).
+        split_batch: cuts a step batch the built-in rules can't: ``split_batch(batch, micro_batch_size)`` returns a
+            list of micro-batches of at most ``micro_batch_size`` samples that add up to the step batch (or an import
+            path to such a function). Default: a ``split_batch`` method of the LightningModule, else the built-in
+            rules (`lightning_accum.splitting`).
+        batch_size_of: counts the samples of a batch, ``batch_size_of(batch) -> int`` (or an import path). Default:
+            a ``batch_size_of`` method of the LightningModule, else the built-in rules.
         fault_injector: raises simulated OOMs at chosen points, for testing recovery.
 
     Raises:
@@ -120,6 +125,8 @@ class AutoMicroBatching(Callback):
         oom_cooldown: int = 200,
         predictive: bool = True,
         gradient_sync: GradientSync = "deferred",
+        split_batch: SplitBatchFn | str | None = None,
+        batch_size_of: BatchSizeFn | str | None = None,
         fault_injector: OOMInjector | None = None,
     ) -> None:
         self._max_memory_given = max_memory  # as the user wrote it, for the run config
@@ -137,6 +144,9 @@ class AutoMicroBatching(Callback):
         self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         self.gradient_sync: GradientSync = gradient_sync
         self.fault_injector = fault_injector
+        # Resolved against the LightningModule at setup: an argument wins over a method of the module.
+        self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
+        self._hooks = resolve_batch_hooks(None, **self._hook_arguments)  # checks the arguments now
         # The planner validates the sizes and thresholds; the budget is set once the device is known.
         self.planner = MicroBatchPlanner(
             micro_batch_size,
@@ -203,6 +213,7 @@ class AutoMicroBatching(Callback):
                 " `AccumulationScheduler` (window mode) instead of `AutoMicroBatching`."
             )
         _warn_about_batch_norm(pl_module)
+        self._hooks = resolve_batch_hooks(pl_module, **self._hook_arguments)
         trainer.callbacks.remove(self)
         trainer.callbacks.insert(0, self)  # the exact gradient before any other `on_before_optimizer_step`
         self.accumulation_state.world_size = trainer.world_size
@@ -232,6 +243,8 @@ class AutoMicroBatching(Callback):
             "oom_cooldown": planner.oom_cooldown,
             "predictive": planner.predictive,
             "gradient_sync": self.gradient_sync,
+            "split_batch": self._hooks.split_batch_source,
+            "batch_size_of": self._hooks.batch_size_of_source,
         }
         _log_info(
             f"lightning_accum: split mode, memory budget {budget / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB"
@@ -301,7 +314,7 @@ class AutoMicroBatching(Callback):
                 # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
                 with _compat.hook_context(module):
                     if step_batch_size is None:
-                        step_batch_size = _step_batch_size(context)
+                        step_batch_size = _step_batch_size(context, self._hooks)
                     self._size = self.planner.size_for(step_batch_size)
                     outcome = self._attempt(trainer, context, self._size)
             except _PeerFault as peer:
@@ -350,8 +363,9 @@ class AutoMicroBatching(Callback):
         assert self._logs is not None
         self._logs.clear()
         context.zero_grad()
-        micro_batches = split_batch(context.batch, size)
-        counts = [count_items(micro_batch, self.count_items) for micro_batch in micro_batches]
+        micro_batches = self._hooks.split(context.batch, size)
+        counter = self.count_items
+        counts = [micro.size if counter is None else count_items(micro.batch, counter) for micro in micro_batches]
         empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
         self.normalizer.start_window(len(micro_batches))
         weighted_loss: Tensor | float = 0.0
@@ -359,9 +373,9 @@ class AutoMicroBatching(Callback):
         extra: dict[str, Any] = {}
         rank, step = trainer.global_rank, trainer.global_step
         synced_last = self.gradient_sync == "overlap" and trainer.world_size > 1
-        for index, micro_batch in enumerate(micro_batches):
+        for index, (micro_batch, n_samples) in enumerate(micro_batches):
             n_items = counts[index]
-            weight = self.normalizer.add_micro_batch(n_items, batch_size_of(micro_batch))
+            weight = self.normalizer.add_micro_batch(n_items, n_samples)
             synced = synced_last and index == len(micro_batches) - 1
             # Every forward runs without DDP's sync, so an attempt abandoned before the synced backward leaves DDP's
             # reducer as it found it; so does every backward but the synced one.
@@ -571,8 +585,8 @@ class _PeerFault(Exception):
         self.agreed = agreed
 
 
-def _step_batch_size(context: _compat.SplitStepContext) -> int:
-    size = batch_size_of(context.batch)
+def _step_batch_size(context: _compat.SplitStepContext, hooks: BatchHooks) -> int:
+    size = hooks.batch_size(context.batch)
     if size < 1:
         raise ValueError(
             f"`AutoMicroBatching` got a step batch with 0 samples (batch_idx={context.batch_idx}): there is nothing to"
