@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     import wandb
 
     wandb.finish()
-    state = splitter.accumulation_state
+    last = splitter.last_step_report
+    assert last is not None
     report = output / "report.png"
     from lightning_accum.cli.report import load_series, write_report
 
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n--- what happened " + "-" * 60)
     print(f"trained {trainer.global_step} steps in {elapsed:.0f} s on {accelerator}")
-    print(f"effective batch: {state.samples_per_step} sequences per step, unchanged by memory")
-    print(f"micro-batch now: {state.micro_batch_size} sequences, {state.accumulation_steps} per step")
-    print(f"OOMs recovered: {state.oom_retries}")
+    print(f"effective batch: {last.effective_batch_size} sequences per step, unchanged by memory")
+    print(f"micro-batch now: {last.micro_batch_size} sequences, {last.accumulation_steps} per step")
+    print(f"OOMs recovered: {splitter.oom_retries}")
     print(f"\nW&B offline run: {run_dir}")
     print(f"CSV metrics:     {csv_logger.log_dir}/metrics.csv")
     print(f"report plot:     {report}")

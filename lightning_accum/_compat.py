@@ -115,6 +115,16 @@ def is_last_training_batch(trainer: pl.Trainer) -> bool:
     return bool(epoch_loop._num_ready_batches_reached())
 
 
+def lightning_loss_divisor(trainer: pl.Trainer) -> int:
+    """What Lightning divided the ``training_step`` loss by before its backward and the ``outputs`` hooks.
+
+    ``ClosureResult.from_training_step_output(..., normalize=trainer.accumulate_grad_batches)`` in
+    ``loops/optimization/automatic.py`` divides the closure loss by ``k`` under automatic optimization. Window mode
+    replaces that factor by the exact window weight, and the window loss multiplies it back.
+    """
+    return int(trainer.accumulate_grad_batches)
+
+
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning's loggers file the current optimizer step under (the first step is 0).
 
@@ -180,8 +190,11 @@ class SplitStepContext:
     batch: Any
     batch_idx: int
     optimizer: Optimizer
-    training_step: Callable[[Any], Any]
-    """Runs the user's ``training_step`` on a micro-batch via the strategy; returns a ClosureResult."""
+    training_step: Callable[[Any], tuple[Any, dict[str, Any]]]
+    """Runs the user's ``training_step`` on a micro-batch via the strategy; returns its ``(loss, extra outputs)``.
+
+    The loss is the user's own (Lightning divides it by ``accumulate_grad_batches``, which split mode keeps at 1);
+    ``None`` when ``training_step`` returned ``None``."""
     backward: Callable[[Any], None] | None
     """Back-propagates a loss through the strategy (precision scaling, ``on_before_backward``); None to skip."""
     zero_grad: Callable[[], None]
@@ -210,10 +223,11 @@ def install_split_closure(trainer: pl.Trainer, run_step: Callable[[SplitStepCont
             if fn is not None:
                 fn()
 
-        def training_step(micro_batch: Any) -> ClosureResult:
+        def training_step(micro_batch: Any) -> tuple[Any, dict[str, Any]]:
             micro_kwargs = OrderedDict(kwargs)
             micro_kwargs["batch"] = micro_batch
-            return automatic._training_step(micro_kwargs)
+            result = automatic._training_step(micro_kwargs)
+            return result.closure_loss, result.extra
 
         context = SplitStepContext(
             batch=kwargs["batch"],

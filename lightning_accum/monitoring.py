@@ -7,7 +7,7 @@ module turns them into the contract keys of `lightning_accum.keys`, so every fig
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_accum import keys
-from lightning_accum.state import AccumulationEvent, EventKind
+from lightning_accum.report import AccumulationEvent, EventKind, LossSum, StepReport
 
 BYTES_PER_GIB = 1024**3
 
@@ -29,7 +29,7 @@ EVENT_KEY_BY_KIND: dict[EventKind, str] = {
     "shrink": keys.EVENT_SHRINK,
     "grow": keys.EVENT_GROW,
 }
-"""Which metric key records an `lightning_accum.state.AccumulationEvent` of each kind."""
+"""Which metric key records an `lightning_accum.report.AccumulationEvent` of each kind."""
 
 
 def to_gib(n_bytes: float) -> float:
@@ -195,3 +195,93 @@ class WeightedMean(Metric):
     def compute(self) -> Tensor:
         """The weighted mean; ``nan`` when nothing with a positive weight was seen."""
         return self.total / self.weight
+
+
+class IntervalTotals:
+    """What the steps of one logging interval add up to, from their `lightning_accum.report.StepReport`.
+
+    Examples:
+        >>> totals = IntervalTotals()
+        >>> for loss in (2.0, 4.0):
+        ...     totals.add(StepReport("window", 4, 2, 8, 8.0, 8, loss_sum=torch.tensor(loss * 8), loss_items=8))
+        >>> totals.samples, totals.steps, float(totals.loss.total) / totals.loss.items
+        (16, 2, 3.0)
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.samples = 0
+        self.items = 0.0
+        self.steps = 0
+        self.loss = LossSum()
+        self.events: list[AccumulationEvent] = []
+        self.peak_bytes = 0  # the largest peak an owner measured in the interval (split mode), all ranks
+        self.last: StepReport | None = None
+
+    def add(self, report: StepReport) -> None:
+        """Count one optimizer step."""
+        self.samples += report.effective_batch_size
+        self.items += report.items
+        self.steps += 1
+        if report.loss_sum is not None and report.loss_items is not None:
+            self.loss.total = self.loss.total + report.loss_sum
+            self.loss.items = self.loss.items + report.loss_items
+        self.events.extend(report.events)
+        if report.peak_bytes is not None:
+            self.peak_bytes = max(self.peak_bytes, report.peak_bytes)
+        self.last = report
+
+
+class LightningWindows:
+    """Builds the step reports no owner publishes: plain ``Trainer(accumulate_grad_batches=k)``, counted from batches.
+
+    Items are samples (there is no item counter), and the loss is Lightning's mean over each micro-batch.
+
+    Examples:
+        >>> windows = LightningWindows()
+        >>> windows.add_micro_batch(4, torch.tensor(1.0))
+        >>> windows.add_micro_batch(2, torch.tensor(4.0))
+        >>> report = windows.finish(sum_across_ranks=None)
+        >>> report.effective_batch_size, report.accumulation_steps, float(report.loss_sum) / report.loss_items
+        (6, 2, 2.0)
+    """
+
+    def __init__(self) -> None:
+        self.consumed_samples = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._samples = 0
+        self._micro_batches = 0
+        self._first_size = 0
+        self._loss = LossSum()
+
+    def add_micro_batch(self, n_samples: int, mean_loss: Tensor | None) -> None:
+        """Count a micro-batch of ``n_samples`` whose ``training_step`` returned ``mean_loss`` (``None``: skipped)."""
+        if self._micro_batches == 0:
+            self._first_size = n_samples
+        self._samples += n_samples
+        self._micro_batches += 1
+        if mean_loss is not None:
+            self._loss.add(mean_loss, n_samples, "mean")
+
+    def finish(self, sum_across_ranks: Callable[[Tensor], Tensor] | None) -> StepReport:
+        """The report of the window that just stepped (one small all-reduce under DDP); starts the next."""
+        local = torch.tensor([float(self._samples)], dtype=torch.float64)
+        samples = int((sum_across_ranks(local) if sum_across_ranks is not None else local).item())
+        self.consumed_samples += samples
+        report = StepReport(
+            mode="lightning",
+            micro_batch_size=self._first_size,
+            accumulation_steps=self._micro_batches,
+            effective_batch_size=samples,
+            items=float(samples),
+            consumed_samples=self.consumed_samples,
+            loss_sum=self._loss.total,
+            loss_items=self._loss.items,
+        )
+        self._start()
+        return report

@@ -68,7 +68,7 @@ def test_token_loss_with_count_items_is_exact(tmp_path, reduction):
     # The exact window gradient is the mean over all loss-bearing tokens of the window, whatever the reduction.
     expected = replay_reference(initial, dataset, model.step_indices, partial(token_loss, reduction="mean"), lr=0.05)
     assert_grads_close(model.step_grads, expected, **FP32)
-    assert scheduler.accumulation_state.items_per_step == float(dataset.mask[model.step_indices[-1]].sum())
+    assert scheduler.last_step_report.items == float(dataset.mask[model.step_indices[-1]].sum())
 
 
 def test_token_loss_without_count_items_is_a_mean_of_means(tmp_path):
@@ -173,7 +173,7 @@ def test_window_with_no_items_skips_the_step(tmp_path):
     make_trainer(tmp_path, [scheduler]).fit(model, DataLoader(dataset, batch_size=2))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name])
-    assert scheduler.accumulation_state.items_per_step == 0
+    assert scheduler.last_step_report.items == 0
 
 
 def test_resume_mid_ramp_continues_the_schedule(tmp_path):
@@ -282,7 +282,7 @@ def test_deepspeed_like_strategy_is_refused(tmp_path):
 def test_a_schedule_change_is_an_event_but_the_starting_k_is_not(tmp_path):
     scheduler = AccumulationScheduler({0: 2, 2: 3}, unit="step")
     fit_regression(tmp_path, [scheduler], n=40)
-    events = [(e.kind, e.step, e.before, e.after) for e in scheduler.accumulation_state.events]
+    events = [(e.kind, e.step, e.before, e.after) for e in scheduler.events]
     assert events == [("schedule_change", 2, 2, 3)]
 
 
@@ -352,7 +352,7 @@ def test_an_exception_in_fit_leaves_the_trainer_as_it_was(tmp_path):
 def test_settings_record_the_schedules_real_unit(tmp_path, schedule, unit, expected_unit):
     scheduler = AccumulationScheduler(schedule, unit=unit, sync_every_micro_batch=True)
     fit_regression(tmp_path, [scheduler], n=16)
-    settings = scheduler.accumulation_state.settings
+    settings = scheduler.settings()
     assert settings["unit"] == expected_unit
     assert settings["schedule"] == repr(scheduler._active_schedule)
     assert settings["count_items"] == "samples"

@@ -61,7 +61,7 @@ def test_split_steps_are_exact(tmp_path, micro_batch_size):
     assert max(model.micro_batch_sizes) <= micro_batch_size
     assert sum(model.micro_batch_sizes) == 48  # no sample seen twice
     assert_grads_close(model.step_grads, expected, **FP32)
-    assert callback.accumulation_state.samples_per_step == 16
+    assert callback.last_step_report.effective_batch_size == 16
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
@@ -71,10 +71,10 @@ def test_oom_in_any_micro_batch_retries_the_same_step_exactly(tmp_path, phase, m
     callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
     model, expected, trainer = fit_split(tmp_path, callback)
     assert injector.fired == [(0, 1, micro_batch, phase)]
-    assert callback.accumulation_state.oom_retries == 1
+    assert callback.oom_retries == 1
     assert trainer.global_step == 3
     assert_grads_close(model.step_grads, expected, **FP32)
-    events = [(e.kind, e.before, e.after) for e in callback.accumulation_state.events]
+    events = [(e.kind, e.before, e.after) for e in callback.events]
     assert events[0] == ("oom_recovered", 4, 2)
 
 
@@ -94,7 +94,7 @@ def test_errors_that_are_not_oom_pass_through_untouched(tmp_path):
     trainer = make_trainer(tmp_path, [callback])
     with pytest.raises(KeyError, match="labels"):
         trainer.fit(Broken(), DataLoader(TokenDataset(16), batch_size=8))
-    assert callback.accumulation_state.oom_retries == 0
+    assert callback.oom_retries == 0
 
 
 @pytest.mark.parametrize("oom_phase", [None, "forward", "backward"])
@@ -104,7 +104,7 @@ def test_self_log_combines_micro_batches_into_one_item_weighted_value(tmp_path, 
     logger = CSVLogger(tmp_path, name="logs")
     callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
     model, expected_grads, _ = fit_split(tmp_path, callback, n=32, logger=logger, log_every_n_steps=1)
-    assert callback.accumulation_state.oom_retries == (1 if oom_phase else 0)
+    assert callback.oom_retries == (1 if oom_phase else 0)
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     step_values = [float(r["train_loss_step"]) for r in rows if r.get("train_loss_step")]
@@ -218,16 +218,16 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
     callback.planner.on_step = record_peak
     trainer = make_trainer(tmp_path, [callback], max_steps=24)
     trainer.fit(model, DataLoader(TokenDataset(64 * 24), batch_size=64))
-    kinds = [e.kind for e in callback.accumulation_state.events]
+    kinds = [e.kind for e in callback.events]
     sizes = model.step_sizes
-    print("sizes", sizes, "events", [(e.step, e.kind, e.before, e.after) for e in callback.accumulation_state.events])
+    print("sizes", sizes, "events", [(e.step, e.kind, e.before, e.after) for e in callback.events])
     print("peaks over budget (MiB)", [round((p - budget) / 2**20) for p in peaks])
     assert "shrink" in kinds, (kinds, sizes)
     assert "grow" in kinds[kinds.index("shrink") :], (kinds, sizes)
     assert min(sizes[6:14]) < max(sizes[:6]), sizes
     assert sizes[-1] > min(sizes[6:14]), sizes
     # Settled, i.e. once the planner stopped shrinking: the peak stays under the budget, growth included.
-    last_shrink = max(e.step for e in callback.accumulation_state.events if e.kind == "shrink")
+    last_shrink = max(e.step for e in callback.events if e.kind == "shrink")
     assert max(peaks[last_shrink:]) <= budget, [round((p - budget) / 2**20) for p in peaks]
 
 
@@ -270,7 +270,7 @@ def test_16_mixed_with_grad_scaler_and_an_oom(tmp_path):
     callback = AutoMicroBatching(4, count_items=count_tokens, fault_injector=injector)
     model, expected, _ = fit_split(tmp_path, callback, accelerator="cuda", precision="16-mixed")
     grads = [{n: g.cpu() for n, g in step.items()} for step in model.step_grads]
-    assert callback.accumulation_state.oom_retries == 1
+    assert callback.oom_retries == 1
     assert_grads_close(grads, expected, rtol=1e-2, atol=1e-3)
 
 
@@ -305,8 +305,8 @@ def test_resume_restores_the_planner(tmp_path):
     resumed_trainer.fit(resumed, DataLoader(dataset, batch_size=16), ckpt_path=ckpt)
     # The size that ran out of memory is still cooling down after the resume: the run goes on at 4, not 8.
     assert resumed.micro_batch_sizes and max(resumed.micro_batch_sizes) == 4
-    assert resumed_callback.accumulation_state.oom_retries == 1
-    assert resumed_callback.accumulation_state.consumed_samples == 16 * resumed_trainer.global_step > 32
+    assert resumed_callback.oom_retries == 1
+    assert resumed_callback.consumed_samples == 16 * resumed_trainer.global_step > 32
 
 
 def test_a_budget_that_no_size_can_meet_is_reported_once(tmp_path):
@@ -336,8 +336,8 @@ class RecordWindowLoss(Callback):
         self.values: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        state = self.owner.accumulation_state
-        self.values.append(float(state.window_loss_sum) / float(state.window_items))
+        report = self.owner.last_step_report
+        self.values.append(float(report.loss_sum) / float(report.loss_items))
 
 
 def step_losses(dataset, step_indices, step_grads, lr=0.05):
@@ -455,9 +455,10 @@ def test_accumulate_grad_batches_set_later_is_refused_before_the_step(tmp_path):
 def test_settings_hold_every_argument(tmp_path, kwargs, given):
     callback = AutoMicroBatching(**kwargs)
     make_trainer(tmp_path, [callback]).fit(SplitTokenModel(), DataLoader(TokenDataset(16), batch_size=8))
-    settings = callback.accumulation_state.settings
+    settings = callback.settings()
     capacity = settings["memory_capacity_bytes"]
     expected = {"mode": "split", **kwargs, **given, "memory_capacity_bytes": capacity}
+    expected |= {"split_batch": "the built-in rules", "batch_size_of": "the built-in rules"}
     expected["max_memory_bytes"] = 8 * 2**30 if kwargs else int(0.9 * capacity)
     assert settings == expected
 

@@ -53,8 +53,8 @@ def test_a_0_dim_tensor_first_in_the_batch_does_not_set_the_batch_size(tmp_path)
     make_trainer(tmp_path, [scheduler]).fit(model, loader)
 
     assert model.step_indices == [list(range(10))]
-    assert scheduler.accumulation_state.consumed_samples == 10
-    assert scheduler.accumulation_state.samples_per_step == 10
+    assert scheduler.consumed_samples == 10
+    assert scheduler.last_step_report.effective_batch_size == 10
     expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
     assert_grads_close(model.step_grads, expected, **FP32)
 
@@ -85,7 +85,7 @@ def test_float_item_counts_give_the_exact_weighted_mean(tmp_path, kind):
     expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
     assert_grads_close(model.step_grads, expected, **FP32)
     last_window = dataset.mask[model.step_indices[-1]]
-    assert scheduler.accumulation_state.items_per_step == pytest.approx(float(last_window.double().sum()), rel=1e-6)
+    assert scheduler.last_step_report.items == pytest.approx(float(last_window.double().sum()), rel=1e-6)
 
 
 def test_float_item_counts_are_not_a_mean_of_means(tmp_path):
@@ -144,7 +144,7 @@ def test_custom_batch_objects_count_their_samples(tmp_path, batch_cls, count_ite
     loader = DataLoader(dataset, batch_size=4, collate_fn=_collate_into(batch_cls))
     make_trainer(tmp_path, [scheduler]).fit(model, loader)
 
-    assert scheduler.accumulation_state.consumed_samples == 10
+    assert scheduler.consumed_samples == 10
     expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
     assert_grads_close(model.step_grads, expected, **FP32)
 
@@ -235,7 +235,7 @@ def test_detection_batches_are_split_into_exact_micro_batches(tmp_path, form):
     make_trainer(tmp_path, [callback]).fit(model, loader)
 
     assert model.micro_batch_sizes == [2, 2, 1, 2, 2, 1]  # two steps of 5 images
-    assert callback.accumulation_state.samples_per_step == 5
+    assert callback.last_step_report.effective_batch_size == 5
     expected = []
     reference = copy.deepcopy(initial)
     for step in range(2):
@@ -329,9 +329,9 @@ def test_split_mode_uses_the_users_hooks(tmp_path, where):
     make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=6, collate_fn=collate_pairs))
 
     assert model.micro_batch_sizes == [3, 3, 3, 3]  # two step batches of 6, cut by the hook into 2 balanced halves
-    assert callback.accumulation_state.samples_per_step == 6
+    assert callback.last_step_report.effective_batch_size == 6
     assert_grads_close(model.step_grads, _pair_reference(initial, dataset, 6, 2), **FP32)
-    settings = callback.accumulation_state.settings
+    settings = callback.settings()
     expected_source = "PairModelWithHooks." if where == "module-methods" else "argument"
     assert expected_source in settings["split_batch"] and expected_source in settings["batch_size_of"]
 
@@ -354,5 +354,5 @@ def test_window_mode_counts_samples_with_the_modules_batch_size_of(tmp_path):
     make_trainer(tmp_path, [scheduler]).fit(
         model, DataLoader(IndexedDataset(12), batch_size=3, collate_fn=collate_pairs)
     )
-    assert scheduler.accumulation_state.consumed_samples == 12
-    assert scheduler.accumulation_state.samples_per_step == 6
+    assert scheduler.consumed_samples == 12
+    assert scheduler.last_step_report.effective_batch_size == 6

@@ -151,11 +151,11 @@ def test_fit_from_the_shipped_config_follows_the_ramp(tmp_path: Path) -> None:
         subcommand="fit",
     )
     scheduler = scheduler_of(cli)
-    state = scheduler.accumulation_state
+    last = scheduler.last_step_report
     assert cli.trainer.global_step == 3
-    assert [(e.before, e.after) for e in state.events] == [(1, 2), (2, 4)]
-    assert state.consumed_samples == 4 * 16
-    assert state.items_per_step > state.samples_per_step  # tokens, not samples, are what the last step averaged
+    assert [(e.before, e.after) for e in scheduler.events] == [(1, 2), (2, 4)]
+    assert scheduler.consumed_samples == 4 * 16
+    assert last.items > last.effective_batch_size  # tokens, not samples, are what the last step averaged
     assert torch.isfinite(cli.trainer.callback_metrics["val/loss"])
 
     # The config LightningCLI saved (with the counter's class_path) builds the same callback again.
@@ -208,7 +208,7 @@ def test_fit_from_the_split_config(tmp_path: Path) -> None:
     )
     assert cli.trainer.global_step == 3
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
-    assert splitter.accumulation_state.samples_per_step == 16
+    assert splitter.last_step_report.effective_batch_size == 16
 
 
 # An override of one argument of each shipped config's accumulation callback, and what the callback must then hold.

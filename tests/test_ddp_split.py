@@ -33,7 +33,7 @@ class SplitModel(TokenModel):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         callback = next(cb for cb in self.trainer.callbacks if isinstance(cb, AutoMicroBatching))
-        self.sizes.append(callback.accumulation_state.micro_batch_size)
+        self.sizes.append(callback.last_step_report.micro_batch_size)
 
 
 class SaveSplitFigures(CountAllReduces):
@@ -44,7 +44,7 @@ class SaveSplitFigures(CountAllReduces):
         figures = torch.load(path, weights_only=False)
         figures.update(
             sizes=pl_module.sizes,
-            oom_retries=callback.accumulation_state.oom_retries,
+            oom_retries=callback.oom_retries,
             gradient_allreduces=callback.gradient_allreduces,
             fired=callback.fault_injector.fired if callback.fault_injector else [],
         )

@@ -19,11 +19,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, keys
+from lightning_accum.callbacks._owner import AccumulationOwner
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitoring import BUDGET_FRACTION
-from lightning_accum.state import AccumulationEvent, AccumulationState
+from lightning_accum.report import AccumulationEvent, StepReport
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 GIB = 1024**3
@@ -220,24 +221,31 @@ def test_window_loss_with_sum_reduction_and_an_item_counter(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # an owner in split mode (a stand-in for AutoMicroBatching): what it provides is what is logged
 # ----------------------------------------------------------------------------------------------------------------
-class SplitModeOwner(pl.Callback):
-    """Fills an :class:`AccumulationState` the way split mode does: k from memory, OOMs, its own window loss."""
+class SplitModeOwner(AccumulationOwner):
+    """Publishes step reports the way split mode does: k from memory, OOMs, its own window loss and budget."""
 
     def __init__(self) -> None:
-        self.accumulation_state = AccumulationState(mode="split", world_size=1, settings={"max_memory": 0.5})
+        super().__init__(count_items=None, loss_reduction="mean")
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        state = self.accumulation_state
-        step = trainer.global_step
-        state.micro_batch_size = 2
-        state.accumulation_steps = 4 if step == 0 else 2
-        state.samples_per_step = 8
-        state.items_per_step = 16.0  # tokens
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step - 1  # the step that just ended
         if step == 1:
-            state.oom_retries += 1
-            state.events.append(AccumulationEvent("oom_recovered", step, 4, 2, "CUDA out of memory"))
-        state.window_loss_sum = 3.0 * (step + 1)  # local sum over the items of this rank
-        state.window_items = 6.0
+            self.oom_retries += 1
+            self._record(AccumulationEvent("oom_recovered", step, 4, 2, "CUDA out of memory"))
+        report = StepReport(
+            mode="split",
+            micro_batch_size=2,
+            accumulation_steps=4 if step == 0 else 2,
+            effective_batch_size=8,
+            items=16.0,  # tokens
+            consumed_samples=8 * (step + 1),
+            oom_retries=self.oom_retries,
+            loss_sum=3.0 * (step + 1),  # local sum over the items of this rank
+            loss_items=6.0,
+            events=self._take_events(),
+            budget_bytes=0.5 * backend_for("cpu").capacity_bytes(),
+        )
+        self._publish(report)
 
 
 def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path):
@@ -252,7 +260,7 @@ def test_owner_state_is_logged_as_is_with_events_and_its_window_loss(tmp_path):
     for row in rows.values():
         assert row[keys.EFFECTIVE_BATCH_SIZE] == 8
         assert row[keys.ITEMS_PER_STEP] == 16
-        assert row[BUDGET_FRACTION] == 0.5
+        assert row[BUDGET_FRACTION] == pytest.approx(0.5)
         assert row[keys.ITEMS_PER_SEC] == pytest.approx(2 * row[keys.SAMPLES_PER_SEC])
     assert rows[1][keys.EVENT_OOM_RECOVERED] == 2
     assert keys.EVENT_OOM_RECOVERED not in rows[0] and keys.EVENT_OOM_RECOVERED not in rows[2]

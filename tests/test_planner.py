@@ -8,7 +8,7 @@ import pytest
 
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.planner import MicroBatchOOMError, MicroBatchPlanner, PlannerEvent, SimulationResult, simulate
-from lightning_accum.state import AccumulationEvent
+from lightning_accum.report import AccumulationEvent
 
 GiB = 2**30
 CAPACITY = 16 * GiB
@@ -36,7 +36,7 @@ def noisy(step: int, b: int) -> float:
 
 
 def balanced(limit: int, step_batch_size: int) -> int:
-    """The size the planner uses under a limit: the same k as the limit gives, with even chunks."""
+    """The size the planner uses under a limit: the same k as the limit gives, with even micro-batches."""
     return math.ceil(step_batch_size / math.ceil(step_batch_size / min(limit, step_batch_size)))
 
 
@@ -66,12 +66,16 @@ def run(
         ({"micro_batch_size": "max"}, TypeError, r"`micro_batch_size` must be an int >= 1 or \"auto\", got 'max'"),
         ({"micro_batch_size": 2, "min_micro_batch_size": 4}, ValueError, r"`micro_batch_size=2` is below"),
         ({"min_micro_batch_size": 0}, ValueError, r"`min_micro_batch_size` must be an int >= 1, got 0"),
-        ({"budget_bytes": 0}, ValueError, r"`budget_bytes` must be a finite number > 0, got 0.0"),
-        ({"budget_bytes": "1GiB"}, TypeError, r"`budget_bytes` must be a number, got '1GiB'"),
+        ({"budget_bytes": 0}, ValueError, r"`budget_bytes` must be a finite number of bytes > 0, got 0\."),
+        ({"budget_bytes": math.inf}, ValueError, r"`budget_bytes` must be a finite number of bytes > 0, got inf"),
+        ({"budget_bytes": "1GiB"}, TypeError, r"`budget_bytes` must be a finite number of bytes > 0, got '1GiB' of"),
         ({"low_watermark": 1.0}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got 1.0"),
+        ({"low_watermark": 0}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got 0\."),
+        ({"refit_tolerance": 0.0}, ValueError, r"`refit_tolerance` must be a finite number > 0, got 0.0"),
         ({"grow_patience": 0}, ValueError, r"`grow_patience` must be an int >= 1, got 0"),
         ({"oom_cooldown": -1}, ValueError, r"`oom_cooldown` must be an int >= 0, got -1"),
-        ({"predictive": 1}, TypeError, r"`predictive` must be a bool, got 1"),
+        ({"predictive": 1}, TypeError, r"`predictive` must be a bool, got 1 of type int"),
+        ({"pinned": "yes"}, TypeError, r"`pinned` must be a bool, got 'yes' of type str"),
         ({"pinned": True}, ValueError, r"`pinned=True` needs an int `micro_batch_size`"),
     ],
 )
@@ -108,8 +112,8 @@ def test_balanced_sizes_keep_k_and_never_exceed_the_limit(step_batch_size: int, 
     b = planner(micro_batch_size=limit).size_for(step_batch_size)
     assert b <= min(limit, step_batch_size)
     assert math.ceil(step_batch_size / b) == math.ceil(step_batch_size / min(limit, step_batch_size))
-    chunks = [min(b, step_batch_size - s) for s in range(0, step_batch_size, b)]
-    assert max(chunks) - min(chunks) <= math.ceil(step_batch_size / b)  # near-even
+    micro_batches = [min(b, step_batch_size - s) for s in range(0, step_batch_size, b)]
+    assert max(micro_batches) - min(micro_batches) <= math.ceil(step_batch_size / b)  # near-even
 
 
 def test_short_tail_batch_does_not_lower_the_size():

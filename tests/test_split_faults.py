@@ -104,7 +104,7 @@ def test_one_oom_causes_exactly_one_shrink(tmp_path, monkeypatch):
     initial = copy.deepcopy(model)
     make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=16))
 
-    events = [(e.kind, e.step, e.before, e.after) for e in callback.accumulation_state.events]
+    events = [(e.kind, e.step, e.before, e.after) for e in callback.events]
     assert events == [("oom_recovered", 1, 8, 4)]  # one OOM, one shrink: the retry's peak fits the budget
     assert peaks == [(8, 8 * PER_SAMPLE), (4, 4 * PER_SAMPLE), (4, 4 * PER_SAMPLE), (4, 4 * PER_SAMPLE)]
     expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
@@ -138,7 +138,7 @@ class RaiseOnce(SplitTokenModel):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         callback = next(cb for cb in self.trainer.callbacks if isinstance(cb, AutoMicroBatching))
-        self.sizes.append(callback.accumulation_state.micro_batch_size)
+        self.sizes.append(callback.last_step_report.micro_batch_size)
 
 
 def make_error(name: str) -> BaseException:
@@ -157,7 +157,7 @@ def test_an_oom_without_a_message_is_recovered(tmp_path, error):
     model = RaiseOnce(error, step=1)
     initial = copy.deepcopy(model)
     make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=16))
-    assert callback.accumulation_state.oom_retries == 1
+    assert callback.oom_retries == 1
     assert model.sizes == [4, 2, 2]
     expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
     assert_grads_close(model.step_grads, expected, **FP32)
@@ -248,8 +248,8 @@ class SaveFigures(CountAllReduces):
         figures = torch.load(path, weights_only=False)
         figures.update(
             sizes=pl_module.sizes,
-            oom_retries=callback.accumulation_state.oom_retries,
-            events=[(e.kind, e.step, e.before, e.after) for e in callback.accumulation_state.events],
+            oom_retries=callback.oom_retries,
+            events=[(e.kind, e.step, e.before, e.after) for e in callback.events],
             fired=callback.fault_injector.fired if callback.fault_injector else [],
         )
         torch.save(figures, path)

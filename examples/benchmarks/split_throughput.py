@@ -91,16 +91,16 @@ def run(micro_batch_size, budget: int, steps: int, predictive: bool = True) -> t
 def worker(candidate: str, budget: int, steps: int) -> None:
     size: int | str = candidate if candidate == "auto" else int(candidate)
     throughput, peak, callback = run(size, budget, steps)
-    state = callback.accumulation_state
+    last = callback.last_step_report
     print(
         "RESULT",
         json.dumps(
             {
                 "throughput": throughput,
                 "peak": peak,
-                "micro_batch_size": state.micro_batch_size,
-                "k": state.accumulation_steps,
-                "events": [(e.kind, e.before, e.after) for e in state.events],
+                "micro_batch_size": last.micro_batch_size,
+                "k": last.accumulation_steps,
+                "events": [(e.kind, e.before, e.after) for e in callback.events],
             }
         ),
     )

@@ -14,12 +14,19 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
-from lightning_accum.monitoring import StepFigures, WeightedMean, budget_fraction, event_metrics
-from lightning_accum.normalization import count_items
+from lightning_accum.monitoring import (
+    IntervalTotals,
+    LightningWindows,
+    StepFigures,
+    WeightedMean,
+    budget_fraction,
+    event_metrics,
+)
+from lightning_accum.report import StepReport
 from lightning_accum.splitting import resolve_batch_hooks
-from lightning_accum.state import AccumulationState, find_state
 
 
 class AccumulationMonitor(Callback):
@@ -79,9 +86,8 @@ class AccumulationMonitor(Callback):
     """
 
     def __init__(self, logging_interval: int | None = None) -> None:
-        if logging_interval is not None and (
-            isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
-        ):
+        bad_type = isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
+        if logging_interval is not None and bad_type:
             raise TypeError(
                 f"`logging_interval` must be an int (optimizer steps) or None (follow `Trainer(log_every_n_steps)`),"
                 f" got {logging_interval!r} of type {type(logging_interval).__name__}."
@@ -93,28 +99,14 @@ class AccumulationMonitor(Callback):
         self.logging_interval = logging_interval
         self._backend: MemoryBackend | None = None
         self._capacity_bytes = 0
-        self._owner: Any = None
+        self._owner: AccumulationOwner | None = None
         self._loss = WeightedMean()  # syncs across ranks at logging steps
         self._hooks = resolve_batch_hooks(None)
-        self._reset_fit_counters()
-
-    def _reset_fit_counters(self) -> None:
-        self._last_step = 0
-        # The window loss, summed over items since the last logging step on this rank. Plain tensors, not a metric
-        # update per micro-batch: a torchmetrics update costs tens of microseconds, and a tiny step not much more.
-        self._loss_sum: Tensor | None = None
-        self._loss_weight: Tensor | float = 0.0
-        # Counted from the batches, for when no callback owns accumulation (all local to this rank).
-        self._window_samples = 0
-        self._window_micro_batches = 0
-        self._window_first_size = 0
-        self._last_window = (0, 0, 0)  # (samples, micro-batches, first micro-batch size) of the last step
-        self._interval_local_samples = 0
-        # Taken from the owner's state, already global.
-        self._interval_samples = 0.0
-        self._interval_items = 0.0
+        self._interval = IntervalTotals()
+        self._windows = LightningWindows()  # the reports of plain Lightning accumulation, when no owner publishes
+        self._last_report: StepReport | None = None
+        self._last_global_step = 0
         self._interval_start = time.perf_counter()
-        self._interval_peak = 0  # this rank's peak over the steps of the interval, where an owner resets the peak
         self._excluded_seconds = 0.0
         self._validation_start: float | None = None
 
@@ -128,8 +120,23 @@ class AccumulationMonitor(Callback):
         self._backend = backend_for(trainer.strategy.root_device)
         self._capacity_bytes = self._backend.capacity_bytes()  # read once: on CPU it walks the cgroup files
         self._loss = self._loss.to(trainer.strategy.root_device)
-        self._loss.reset()
         self._hooks = resolve_batch_hooks(pl_module)  # counts samples when no callback owns accumulation
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._owner = find_owner(trainer.callbacks)
+        self._interval.reset()
+        self._windows = LightningWindows()
+        self._last_report = self._owner.last_step_report if self._owner is not None else None
+        self._last_global_step = trainer.global_step
+        self._loss.reset()
+        # Here, not at fit start: the owner resolves its memory budget (part of its settings) in its on_train_start,
+        # which runs before ours because the owner moves itself to the front of the callbacks.
+        self._setup_wandb(trainer)
+        if self._backend is not None:
+            self._backend.reset_peak()
+        self._interval_start = time.perf_counter()
+        self._excluded_seconds = 0.0
 
     def _setup_wandb(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
@@ -142,27 +149,13 @@ class AccumulationMonitor(Callback):
                     record_config(logger.experiment, settings)
 
     def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
-        state = find_state(trainer.callbacks)
-        if state is not None:
-            settings = dict(state.settings)  # a copy: the owner's dict is not ours to change
+        if self._owner is not None:
+            settings = self._owner.settings()
         else:
             settings = {"mode": "lightning", "accumulate_grad_batches": trainer.accumulate_grad_batches}
         settings["world_size"] = trainer.world_size
         settings["monitor_logging_interval"] = self.logging_interval or trainer.log_every_n_steps
         return settings
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reset_fit_counters()
-        self._last_step = trainer.global_step
-        self._owner = _find_owner(trainer)
-        # Here, not at fit start: AutoMicroBatching resolves its memory budget (its settings) in its on_train_start,
-        # which runs before ours because the owner moves itself to the front of the callbacks.
-        self._setup_wandb(trainer)
-        self._loss.reset()
-        if self._backend is not None:
-            self._backend.reset_peak()
-        self._interval_start = time.perf_counter()
 
     # Validation inside fit is not training throughput.
     @override
@@ -177,145 +170,64 @@ class AccumulationMonitor(Callback):
             self._validation_start = None
 
     # ----------------------------------------------------------------------------------------------------------
-    # every micro-batch: host-side counting only
+    # every micro-batch: host-side counting only, unless a step ended
     # ----------------------------------------------------------------------------------------------------------
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        owner = self._owner
-        state = owner.accumulation_state if owner is not None else None
-        if state is None:
-            n_samples = self._hooks.batch_size(batch)
-            if self._window_micro_batches == 0:
-                self._window_first_size = n_samples
-            self._window_samples += n_samples
-            self._window_micro_batches += 1
-            self._interval_local_samples += n_samples
-        if not _provides_window_loss(state):
-            self._update_loss_from_outputs(trainer, owner, outputs, batch)
-
-        if trainer.global_step == self._last_step:
+        report = self._step_report(trainer, outputs, batch)
+        if report is None:
             return  # still inside the window
-        self._last_step = trainer.global_step
-        if state is None:
-            self._last_window = (self._window_samples, self._window_micro_batches, self._window_first_size)
-            self._window_samples = self._window_micro_batches = 0
-        else:
-            self._interval_samples += state.samples_per_step
-            self._interval_items += state.items_per_step
-            if state.mode == "split" and self._backend is not None:
-                # AutoMicroBatching resets the (process-wide) peak at every step batch to plan the next one, so the
-                # interval's peak is the maximum of the per-step peaks, read before that reset.
-                self._interval_peak = max(self._interval_peak, self._backend.peak_bytes())
-            if _provides_window_loss(state):
-                self._add_loss(state.window_loss_sum, state.window_items)
+        self._interval.add(report)
         step = _compat.logging_step(trainer)
         interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
         if interval > 0 and (step + 1) % interval == 0:
-            self._log(trainer, pl_module, state, step)
+            self._log(trainer, pl_module, step)
 
-    def _update_loss_from_outputs(self, trainer: pl.Trainer, owner: Any, outputs: Any, batch: Any) -> None:
+    def _step_report(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> StepReport | None:
+        """The report of the optimizer step that just ended, or ``None`` inside a window."""
+        if self._owner is not None:
+            report = self._owner.last_step_report
+            if report is None or report is self._last_report:
+                return None
+            self._last_report = report
+            return report
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, Tensor):
-            return  # training_step skipped this micro-batch
-        counted = owner.accumulation_state.micro_batch_items if owner is not None else None
-        if counted is not None:
-            n_items = counted
-        else:
-            counter = getattr(owner, "count_items", None)
-            n_items = self._hooks.batch_size(batch) if counter is None else count_items(batch, counter)
-        # Lightning divided the training_step loss by `accumulate_grad_batches` before handing it on; undo that.
-        k = trainer.accumulate_grad_batches
-        # (Split mode never gets here: its owner provides the window loss, see `_provides_window_loss`.)
-        if getattr(owner, "loss_reduction", "mean") == "sum":
-            self._add_loss(loss.detach() * k, n_items)
-        elif isinstance(n_items, Tensor):
-            self._add_loss(loss.detach() * k * n_items, n_items)
-        elif n_items > 0:  # an empty micro-batch has a NaN mean and nothing to add
-            self._add_loss(loss.detach() * (k * n_items), n_items)
-
-    def _add_loss(self, total: Tensor | float, n_items: Tensor | float) -> None:
-        """Add the summed loss ``total`` over ``n_items`` items, without reading anything back from the device."""
-        total = torch.as_tensor(total, dtype=torch.float32).detach()
-        if isinstance(n_items, Tensor):
-            n_items = n_items.to(device=total.device, dtype=torch.float32)
-            total = torch.where(n_items > 0, total, torch.zeros_like(total))  # no NaN from an empty micro-batch
-        if self._loss_sum is None:
-            self._loss_sum = total.clone()
-        else:
-            self._loss_sum += total.to(self._loss_sum.device)
-        self._loss_weight = self._loss_weight + n_items
+        mean_loss = loss.detach() * _compat.lightning_loss_divisor(trainer) if isinstance(loss, Tensor) else None
+        self._windows.add_micro_batch(self._hooks.batch_size(batch), mean_loss)
+        if trainer.global_step == self._last_global_step:
+            return None
+        self._last_global_step = trainer.global_step
+        return self._windows.finish(sum_across_ranks_fn(trainer))
 
     # ----------------------------------------------------------------------------------------------------------
     # logging steps: the only place that synchronizes
     # ----------------------------------------------------------------------------------------------------------
-    def _log(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: AccumulationState | None, step: int
-    ) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         # Every rank runs this block in the same order: it holds collectives.
-        device = self._loss.device
-        weight = torch.as_tensor(self._loss_weight, dtype=torch.float32, device=device)
-        total = self._loss_sum.to(device) if self._loss_sum is not None else torch.zeros((), device=device)
-        # Every rank updates, also with nothing, so that compute() syncs the same way on all of them.
-        self._loss.update(torch.where(weight > 0, total / weight.clamp(min=1e-30), torch.zeros_like(total)), weight)
-        window_loss = float(self._loss.compute())  # syncs ranks and the device, so the clock below is honest
-        self._loss.reset()
-        self._loss_sum, self._loss_weight = None, 0.0
-        now = time.perf_counter()
-
-        if state is None:
-            samples, micro_batches, first_size = self._last_window
-            local = torch.tensor([samples, self._interval_local_samples], dtype=torch.float64)
-            sum_fn = sum_across_ranks_fn(trainer)
-            step_samples, interval_samples = (sum_fn(local) if sum_fn is not None else local).tolist()
-            figures_batch: dict[str, Any] = {
-                "samples_per_step": int(step_samples),
-                "micro_batch_size": first_size,
-                "accumulation_steps": micro_batches,
-                "items_per_step": step_samples,  # without an owner there is no item counter: items are samples
-                "oom_retries": 0,
-            }
-            interval_items = interval_samples
-        else:
-            figures_batch = {
-                "samples_per_step": state.samples_per_step,
-                "micro_batch_size": state.micro_batch_size,
-                "accumulation_steps": state.accumulation_steps,
-                "items_per_step": state.items_per_step,
-                "oom_retries": state.oom_retries,
-            }
-            interval_samples, interval_items = self._interval_samples, self._interval_items
-
-        if self._backend is None:  # a Trainer that skipped `setup`; read the capacity once all the same
-            self._backend = backend_for(trainer.strategy.root_device)
-            self._capacity_bytes = self._backend.capacity_bytes()
-        backend = self._backend
-        reserved = backend.peak_reserved_bytes()
-        local_memory = torch.tensor(
-            [
-                max(self._interval_peak, backend.peak_bytes()),
-                -1 if reserved is None else reserved,
-                self._capacity_bytes,
-            ],
-            dtype=torch.int64,
-        )
-        peak, peak_reserved, capacity = max_across_ranks(trainer, local_memory).tolist()
-        backend.reset_peak()
-        events = state.take_events() if state is not None else []
-
+        interval, last = self._interval, self._interval.last
+        assert last is not None
+        window_loss = self._window_loss(interval)  # syncs ranks and the device, so the clock below is honest
+        seconds = time.perf_counter() - self._interval_start - self._excluded_seconds
+        peak, peak_reserved, capacity = self._memory(trainer, interval.peak_bytes)
+        budget = None if last.budget_bytes is None else int(last.budget_bytes)
         figures = StepFigures(
-            **figures_batch,
+            samples_per_step=last.effective_batch_size,
+            micro_batch_size=last.micro_batch_size,
+            accumulation_steps=last.accumulation_steps,
+            items_per_step=last.items,
+            oom_retries=last.oom_retries,
             window_loss=window_loss,
             peak_bytes=peak,
             capacity_bytes=capacity,
-            peak_reserved_bytes=None if peak_reserved < 0 else peak_reserved,
-            budget_fraction=_budget_fraction(state, capacity),
-            interval_samples=interval_samples,
-            interval_items=interval_items,
-            interval_seconds=now - self._interval_start - self._excluded_seconds,
+            peak_reserved_bytes=peak_reserved,
+            budget_fraction=budget_fraction(budget, capacity),
+            interval_samples=interval.samples,
+            interval_items=interval.items,
+            interval_seconds=seconds,
         )
-        metrics = {**figures.as_metrics(), **event_metrics(events)}
+        metrics = {**figures.as_metrics(), **event_metrics(interval.events)}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -328,12 +240,35 @@ class AccumulationMonitor(Callback):
             on_epoch=False,
             batch_size=1,
         )
-
-        self._interval_local_samples = 0
-        self._interval_peak = 0
-        self._interval_samples = self._interval_items = 0.0
+        interval.reset()
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
+
+    def _window_loss(self, interval: IntervalTotals) -> float:
+        """The item-weighted mean loss of the interval over all ranks (``nan`` when no loss was seen)."""
+        device = self._loss.device
+        weight = torch.as_tensor(interval.loss.items, dtype=torch.float32, device=device)
+        total = torch.as_tensor(interval.loss.total, dtype=torch.float32).to(device)
+        # Every rank updates, also with nothing, so that compute() syncs the same way on all of them.
+        self._loss.update(torch.where(weight > 0, total / weight.clamp(min=1e-30), torch.zeros_like(total)), weight)
+        window_loss = float(self._loss.compute())
+        self._loss.reset()
+        return window_loss
+
+    def _memory(self, trainer: pl.Trainer, owner_peak: int) -> tuple[int, int | None, int]:
+        """The interval's peak, reserved peak and capacity, each the maximum over ranks; resets the peak."""
+        if self._backend is None:  # a Trainer that skipped `setup`; read the capacity once all the same
+            self._backend = backend_for(trainer.strategy.root_device)
+            self._capacity_bytes = self._backend.capacity_bytes()
+        backend = self._backend
+        reserved = backend.peak_reserved_bytes()
+        local = torch.tensor(
+            [max(owner_peak, backend.peak_bytes()), -1 if reserved is None else reserved, self._capacity_bytes],
+            dtype=torch.int64,
+        )
+        peak, peak_reserved, capacity = (int(v) for v in max_across_ranks(trainer, local).tolist())
+        backend.reset_peak()
+        return peak, None if peak_reserved < 0 else peak_reserved, capacity
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
@@ -347,28 +282,3 @@ class AccumulationMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The constructor argument wins over the checkpoint: a resumed run may log at a new interval on purpose.
         return None
-
-
-def _find_owner(trainer: pl.Trainer) -> Any | None:
-    """The callback that owns accumulation (it exposes an `AccumulationState`), if any."""
-    for callback in trainer.callbacks:
-        if isinstance(getattr(callback, "accumulation_state", None), AccumulationState):
-            return callback
-    return None
-
-
-def _provides_window_loss(state: AccumulationState | None) -> bool:
-    # Split mode runs its micro-batches inside one Lightning batch, so only the owner knows their losses.
-    return state is not None and state.window_loss_sum is not None
-
-
-def _budget_fraction(state: AccumulationState | None, capacity_bytes: int) -> float:
-    # AutoMicroBatching records its budget resolved to bytes; `max_memory` (a fraction or bytes) is the user's form.
-    settings = state.settings if state is not None else {}
-    budget_bytes = settings.get("max_memory_bytes")
-    if isinstance(budget_bytes, (int, float)) and not isinstance(budget_bytes, bool):
-        return budget_fraction(int(budget_bytes), capacity_bytes)
-    max_memory = settings.get("max_memory")
-    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
-        max_memory = None
-    return budget_fraction(max_memory, capacity_bytes)

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
-from lightning_accum.items import resolve_counter
-from lightning_accum.normalization import (
-    ItemCounter,
-    LossReduction,
-    WindowNormalizer,
-    check_loss_reduction,
-    count_items,
-)
+from lightning_accum.normalization import ItemCounter, LossReduction, WindowTotals, count_items
+from lightning_accum.report import AccumulationEvent, LossSum, StepReport
 from lightning_accum.schedules import (
     AccumulationSchedule,
     ConstantSchedule,
@@ -33,12 +26,9 @@ from lightning_accum.schedules import (
     count_optimizer_steps,
 )
 from lightning_accum.splitting import resolve_batch_hooks
-from lightning_accum.state import AccumulationEvent, AccumulationState
-
-log = logging.getLogger("lightning_accum")
 
 
-class AccumulationScheduler(Callback):
+class AccumulationScheduler(AccumulationOwner):
     """Exact gradient accumulation with a schedule for ``k``, in Lightning's own training loop.
 
     The dataloader yields micro-batches; this callback decides how many make one optimizer step and makes every
@@ -90,10 +80,9 @@ class AccumulationScheduler(Callback):
         loss_reduction: LossReduction = "mean",
         sync_every_micro_batch: bool = False,
     ) -> None:
+        super().__init__(count_items, loss_reduction)
         self.schedule = as_schedule(schedule, unit)
         self.unit: ScheduleUnit = unit
-        self.count_items = resolve_counter(count_items)
-        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         if not isinstance(sync_every_micro_batch, bool):
             raise TypeError(
                 f"`sync_every_micro_batch` must be a bool, got {sync_every_micro_batch!r} of type"
@@ -101,8 +90,6 @@ class AccumulationScheduler(Callback):
                 " False (the default) to sync once per optimizer step."
             )
         self.sync_every_micro_batch = sync_every_micro_batch
-        self.normalizer = WindowNormalizer(loss_reduction)
-        self.accumulation_state = AccumulationState(mode="window")
 
         self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
         self._k = 1  # the current window's planned length
@@ -111,11 +98,11 @@ class AccumulationScheduler(Callback):
         self._new_window = True
         self._stepped = False
         self._micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-based schedules
-        self._pending_counts: tuple[int | Tensor, int] = (0, 0)
+        self._pending_counts: tuple[int | float | Tensor, int] = (0, 0)
+        self._window_loss = LossSum()  # this rank's loss over the window's items, for the step report
+        self._totals: WindowTotals | None = None
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
-        self._undo: list[Callable[[], None]] = []
         self._trainer: pl.Trainer | None = None
-        self._hooks = resolve_batch_hooks(None)
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -130,20 +117,19 @@ class AccumulationScheduler(Callback):
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
         self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
-        # Run first among callbacks, so that every other `on_before_optimizer_step` sees the exact gradient.
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
-        self.accumulation_state.world_size = trainer.world_size
+        self._claim(trainer)
         # LR schedules sized from `estimated_stepping_batches` in `configure_optimizers` (which runs after this hook)
         # must see the steps this schedule really takes, not Lightning's k=1 estimate.
-        self._undo.append(_compat.override_estimated_stepping_batches(trainer, self._estimate_optimizer_steps))
-        self.accumulation_state.settings = {
+        self._install(_compat.override_estimated_stepping_batches(trainer, self._estimate_optimizer_steps))
+
+    @override
+    def settings(self) -> dict[str, Any]:
+        return {
             "mode": "window",
             "schedule": repr(self._active_schedule),
             # What the schedule's keys count (a ramp counts samples whatever `unit` says); None: k never changes.
             "unit": getattr(self._active_schedule, "unit", None),
-            "count_items": _describe(self.count_items),
-            "loss_reduction": self.loss_reduction,
+            **super().settings(),
             "sync_every_micro_batch": self.sync_every_micro_batch,
         }
 
@@ -173,7 +159,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._undo.append(
+        self._install(
             _compat.install_window_control(
                 trainer,
                 window_complete=lambda: self._position >= self._k - 1,
@@ -181,7 +167,7 @@ class AccumulationScheduler(Callback):
             )
         )
         if self.sync_every_micro_batch:
-            self._undo.append(_compat.disable_backward_sync_blocking(trainer.strategy))
+            self._install(_compat.disable_backward_sync_blocking(trainer.strategy))
         self._new_window = True
 
     def _estimate_optimizer_steps(self, batches_per_epoch: int) -> int:
@@ -204,18 +190,8 @@ class AccumulationScheduler(Callback):
         )
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._restore(trainer)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # Lightning calls no `teardown` hook after an exception; a re-fit of this Trainer must find it as it was.
-        self._restore(trainer)
-
     def _restore(self, trainer: pl.Trainer) -> None:
-        while self._undo:
-            self._undo.pop()()
+        super()._restore(trainer)
         trainer.accumulate_grad_batches = self._trainer_k
         self._trainer = None
 
@@ -239,11 +215,11 @@ class AccumulationScheduler(Callback):
         # Counted at backward time: a micro-batch whose `training_step` returns None has no backward and no items.
         n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
         self._pending_counts = (n_items, n_samples)
-        self.accumulation_state.micro_batch_items = self._pending_counts[0]
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
         self._new_window = False
         self._position = 0
+        self._window_loss = LossSum()
         if self._micro_batch_size == 0:
             # Sample-keyed schedules need the same micro-batch size on every rank, or ranks would disagree on k.
             agreed = max_across_ranks(trainer, torch.tensor([n_samples], dtype=torch.int64))
@@ -251,7 +227,7 @@ class AccumulationScheduler(Callback):
         progress = Progress(
             epoch=trainer.current_epoch,
             optimizer_steps=trainer.global_step,
-            consumed_samples=self.accumulation_state.consumed_samples,
+            consumed_samples=self.consumed_samples,
             micro_batch_size=self._micro_batch_size,
             world_size=trainer.world_size,
         )
@@ -259,9 +235,9 @@ class AccumulationScheduler(Callback):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
         if k != self._k and self._k_known:
-            event = AccumulationEvent("schedule_change", trainer.global_step, self._k, k, f"epoch {progress.epoch}")
-            self.accumulation_state.events.append(event)
-            _log_info(event.message())
+            self._record(
+                AccumulationEvent("schedule_change", trainer.global_step, self._k, k, f"epoch {progress.epoch}")
+            )
         self._k_known = True
         self._k = k
         trainer.accumulate_grad_batches = k
@@ -270,8 +246,8 @@ class AccumulationScheduler(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         weight = self.normalizer.add_micro_batch(*self._pending_counts)
-        # Lightning divided the loss by `trainer.accumulate_grad_batches`; replace that by the window weight.
-        multiplier = weight * trainer.accumulate_grad_batches
+        # Lightning divided the loss by k; replace that by the window weight.
+        multiplier = weight * _compat.lightning_loss_divisor(trainer)
         if not (isinstance(multiplier, float) and multiplier == 1.0):
             loss.register_hook(lambda grad: grad * multiplier)
 
@@ -280,46 +256,50 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
+        self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
         self._stepped = True
-        state = self.accumulation_state
-        state.accumulation_steps = self.normalizer.micro_batches  # this step's, not the plan: a tail window is short
-        state.micro_batch_size = self._micro_batch_size
-        state.samples_per_step = totals.samples
-        state.items_per_step = totals.items
-        state.consumed_samples += totals.samples
-        if totals.items <= 0:
-            _log_info(f"lightning_accum: window at step {trainer.global_step} has no items; optimizer step skipped")
+        self.consumed_samples += self._totals.samples
+        if self._totals.items <= 0:
+            log_info(f"lightning_accum: window at step {trainer.global_step} has no items; optimizer step skipped")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, Tensor):  # None: `training_step` skipped this micro-batch
+            # Lightning hands on the loss divided by k; the window loss wants the user's own value.
+            self._window_loss.add(
+                loss.detach() * _compat.lightning_loss_divisor(trainer), self._pending_counts[0], self.loss_reduction
+            )
+        if not self._stepped or self._totals is None:
+            return
+        totals, self._totals = self._totals, None
+        self._publish(
+            StepReport(
+                mode="window",
+                micro_batch_size=self._micro_batch_size,
+                accumulation_steps=self.normalizer.micro_batches,  # this step's, not the plan: a tail window is short
+                effective_batch_size=totals.samples,
+                items=totals.items,
+                consumed_samples=self.consumed_samples,
+                loss_sum=self._window_loss.total,
+                loss_items=self._window_loss.items,
+                events=self._take_events(),
+            )
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
     # ----------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "consumed_samples": self.accumulation_state.consumed_samples,
-            "accumulation_steps": self._k,
-            "micro_batch_size": self._micro_batch_size,
-            "normalizer": self.normalizer.state_dict(),
-        }
+        return {**super().state_dict(), "accumulation_steps": self._k, "micro_batch_size": self._micro_batch_size}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.accumulation_state.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        super().load_state_dict(state_dict)
         self._k = int(state_dict.get("accumulation_steps", 1))
         self._k_known = "accumulation_steps" in state_dict
         self._micro_batch_size = int(state_dict.get("micro_batch_size", 0))
-        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
         self._new_window = True
-
-
-@rank_zero_only
-def _log_info(message: str) -> None:
-    log.info(message)
-
-
-def _describe(fn: Callable[..., Any] | None) -> str:
-    if fn is None:
-        return "samples"
-    return getattr(fn, "__qualname__", None) or repr(fn)

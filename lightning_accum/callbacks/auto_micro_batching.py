@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
@@ -20,29 +19,26 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
-from lightning_accum.items import resolve_counter
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
-    WindowNormalizer,
-    check_loss_reduction,
+    WindowTotals,
     count_items,
 )
 from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.report import AccumulationEvent, LossSum, StepReport
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
-from lightning_accum.state import AccumulationEvent, AccumulationState
 from lightning_accum.step_logs import StepLogCombiner
-
-log = logging.getLogger("lightning_accum")
 
 GradientSync = Literal["deferred", "overlap"]
 _NO_FAULT, _OOM, _OTHER_ERROR = 0, 1, 2
 
 
-class AutoMicroBatching(Callback):
+class AutoMicroBatching(AccumulationOwner):
     """Split mode: cut each step batch into the largest micro-batches that fit, and recover from OOMs in place.
 
     The dataloader yields each device's whole step batch. For every optimizer step, the batch is split into
@@ -129,6 +125,7 @@ class AutoMicroBatching(Callback):
         batch_size_of: BatchSizeFn | str | None = None,
         fault_injector: OOMInjector | None = None,
     ) -> None:
+        super().__init__(count_items, loss_reduction)
         self._max_memory_given = max_memory  # as the user wrote it, for the run config
         self.max_memory = _check_max_memory(max_memory)
         if pin_micro_batch_size and micro_batch_size == "auto":
@@ -140,8 +137,6 @@ class AutoMicroBatching(Callback):
             raise TypeError(f"`pin_micro_batch_size` must be a bool, got {pin_micro_batch_size!r}.")
         if gradient_sync not in ("deferred", "overlap"):
             raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
-        self.count_items = resolve_counter(count_items)
-        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         self.gradient_sync: GradientSync = gradient_sync
         self.fault_injector = fault_injector
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
@@ -157,8 +152,6 @@ class AutoMicroBatching(Callback):
             predictive=predictive,
             pinned=pin_micro_batch_size,
         )
-        self.normalizer = WindowNormalizer(loss_reduction)
-        self.accumulation_state = AccumulationState(mode="split")
         self.gradient_allreduces = 0  # collectives issued by the deferred gradient sync, for tests and benchmarks
 
         self._trainer: pl.Trainer | None = None
@@ -169,7 +162,9 @@ class AutoMicroBatching(Callback):
         self._size_changed = False
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
-        self._undo: list[Any] = []
+        self._capacity_bytes = 0
+        self._window_loss = LossSum()
+        self._totals: WindowTotals | None = None
         self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
 
     # ----------------------------------------------------------------------------------------------------------
@@ -198,12 +193,6 @@ class AutoMicroBatching(Callback):
                 " Use `AccumulationScheduler` (window mode) with FSDP, or the strategy's own accumulation with"
                 " DeepSpeed."
             )
-        others = [cb for cb in trainer.callbacks if cb is not self and hasattr(cb, "accumulation_state")]
-        if others:
-            raise RuntimeError(
-                f"`AutoMicroBatching` and `{type(others[0]).__name__}` both want to own gradient accumulation."
-                " Keep one of them."
-            )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise RuntimeError(
                 "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
@@ -214,9 +203,7 @@ class AutoMicroBatching(Callback):
             )
         _warn_about_batch_norm(pl_module)
         self._hooks = resolve_batch_hooks(pl_module, **self._hook_arguments)
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)  # the exact gradient before any other `on_before_optimizer_step`
-        self.accumulation_state.world_size = trainer.world_size
+        self._claim(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -226,17 +213,25 @@ class AutoMicroBatching(Callback):
         budget = self.max_memory * capacity if isinstance(self.max_memory, float) else float(self.max_memory)
         self.planner.budget_bytes = budget
         self._logs = StepLogCombiner(pl_module)
-        self._undo.append(_compat.install_split_closure(trainer, self._run_step))
+        self._capacity_bytes = capacity
+        self._install(_compat.install_split_closure(trainer, self._run_step))
+        log_info(
+            f"lightning_accum: split mode, memory budget {budget / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB"
+            f" ({self._backend.name})"
+        )
+
+    @override
+    def settings(self) -> dict[str, Any]:
         planner = self.planner
-        self.accumulation_state.settings = {
+        budget = planner.budget_bytes
+        return {
             "mode": "split",
             "micro_batch_size": planner.micro_batch_size_setting,
             "max_memory": self._max_memory_given,
-            "max_memory_bytes": int(budget),
-            "memory_capacity_bytes": capacity,
+            "max_memory_bytes": None if budget is None else int(budget),
+            "memory_capacity_bytes": self._capacity_bytes,
             "min_micro_batch_size": planner.min_micro_batch_size,
-            "count_items": _describe_counter(self.count_items),
-            "loss_reduction": self.loss_reduction,
+            **super().settings(),
             "pin_micro_batch_size": planner.pinned,
             "low_watermark": planner.low_watermark,
             "grow_patience": planner.grow_patience,
@@ -244,30 +239,16 @@ class AutoMicroBatching(Callback):
             "predictive": planner.predictive,
             "gradient_sync": self.gradient_sync,
             "split_batch": self._hooks.split_batch_source,
-            "batch_size_of": self._hooks.batch_size_of_source,
         }
-        _log_info(
-            f"lightning_accum: split mode, memory budget {budget / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB"
-            f" ({self._backend.name})"
-        )
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo_patches()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # Lightning doesn't call `teardown` on callbacks when `fit` raises; a second `fit` of the same Trainer must
-        # find its loop unpatched and no half-finished step behind.
-        self._undo_patches()
+    def _restore(self, trainer: pl.Trainer) -> None:
+        # Also after an exception: a second `fit` of the same Trainer must find no half-finished step behind.
+        super()._restore(trainer)
         self._grads_summed = False
         self._size_changed = False
         if self._logs is not None:
             self._logs.clear()
-
-    def _undo_patches(self) -> None:
-        while self._undo:
-            self._undo.pop()()
 
     # ----------------------------------------------------------------------------------------------------------
     # one optimizer step
@@ -337,9 +318,9 @@ class AutoMicroBatching(Callback):
                 )
             before = self._size
             self.planner.on_oom(self._size, trainer.global_step)  # raises at the minimum size, on every rank
-            self.accumulation_state.oom_retries += 1
+            self.oom_retries += 1
             where = detail if fault == _OOM else "on another rank"
-            _log_info(f"lightning_accum: OOM at micro-batch size {before} ({where}); retrying the step")
+            log_info(f"lightning_accum: OOM at micro-batch size {before} ({where}); retrying the step")
             self._take_planner_events(trainer)
             # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no
             # cached blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the
@@ -368,8 +349,7 @@ class AutoMicroBatching(Callback):
         counts = [micro.size if counter is None else count_items(micro.batch, counter) for micro in micro_batches]
         empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
         self.normalizer.start_window(len(micro_batches))
-        weighted_loss: Tensor | float = 0.0
-        total_weight: Tensor | float = 0.0
+        window_loss = LossSum()
         extra: dict[str, Any] = {}
         rank, step = trainer.global_rank, trainer.global_step
         synced_last = self.gradient_sync == "overlap" and trainer.world_size > 1
@@ -385,8 +365,7 @@ class AutoMicroBatching(Callback):
                         rank=rank, step=step, micro_batch=index, phase="forward", micro_batch_size=size
                     )
                 with self._logs.capture(n_items):
-                    result = context.training_step(micro_batch)
-                loss = result.closure_loss
+                    loss, extra = context.training_step(micro_batch)
                 if loss is None:
                     raise RuntimeError(
                         "`training_step` returned None for a micro-batch. Under `AutoMicroBatching` every micro-batch"
@@ -403,15 +382,11 @@ class AutoMicroBatching(Callback):
             if synced:
                 self._synced_backward(trainer, context, loss * weight, empty[index])
             if not empty[index]:
-                item_weight = n_items if self.loss_reduction == "mean" else 1
-                weighted_loss = weighted_loss + loss.detach() * item_weight
-                total_weight = total_weight + n_items
-            extra = result.extra
-            del result, loss
-        window_loss = torch.as_tensor(weighted_loss) / torch.as_tensor(total_weight).clamp(min=1)
-        self.accumulation_state.window_loss_sum = weighted_loss
-        self.accumulation_state.window_items = total_weight
-        return window_loss, extra
+                window_loss.add(loss, n_items, self.loss_reduction)
+            del loss
+        self._window_loss = window_loss
+        mean = torch.as_tensor(window_loss.total) / torch.as_tensor(window_loss.items).clamp(min=1)
+        return mean, extra
 
     def _synced_backward(
         self, trainer: pl.Trainer, context: _compat.SplitStepContext, loss: Tensor, empty: bool
@@ -470,14 +445,9 @@ class AutoMicroBatching(Callback):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # Deferred sync summed the buffers over ranks; DDP's own sync averaged them.
         world_size = 1 if self._grads_summed else trainer.world_size
-        totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), world_size)
+        self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), world_size)
         self._grads_summed = False
-        state = self.accumulation_state
-        state.micro_batch_size = self._size
-        state.accumulation_steps = totals.micro_batches // max(1, trainer.world_size)
-        state.samples_per_step = totals.samples
-        state.items_per_step = totals.items
-        state.consumed_samples += totals.samples
+        self.consumed_samples += self._totals.samples
 
     @override
     def on_train_batch_end(
@@ -494,6 +464,28 @@ class AutoMicroBatching(Callback):
         self._size_changed = planned != self._size
         self._take_planner_events(trainer)
         self._warn_if_budget_unreachable(peak)
+        if self._totals is not None:
+            self._publish_step(peak)
+
+    def _publish_step(self, peak_bytes: int) -> None:
+        totals, self._totals = self._totals, None
+        assert totals is not None
+        self._publish(
+            StepReport(
+                mode="split",
+                micro_batch_size=self._size,
+                accumulation_steps=self.normalizer.micro_batches,
+                effective_batch_size=totals.samples,
+                items=totals.items,
+                consumed_samples=self.consumed_samples,
+                oom_retries=self.oom_retries,
+                loss_sum=self._window_loss.total,
+                loss_items=self._window_loss.items,
+                events=self._take_events(),
+                peak_bytes=peak_bytes,
+                budget_bytes=self.planner.budget_bytes,
+            )
+        )
 
     def _warn_if_budget_unreachable(self, peak: int) -> None:
         budget = self.planner.budget_bytes
@@ -510,29 +502,19 @@ class AutoMicroBatching(Callback):
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
         for event in self.planner.take_events():
-            accumulation_event = AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason)
-            self.accumulation_state.events.append(accumulation_event)
-            _log_info(accumulation_event.message())
+            self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason))
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
     # ----------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "planner": self.planner.state_dict(),
-            "normalizer": self.normalizer.state_dict(),
-            "consumed_samples": self.accumulation_state.consumed_samples,
-            "oom_retries": self.accumulation_state.oom_retries,
-        }
+        return {**super().state_dict(), "planner": self.planner.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
         self.planner.load_state_dict(state_dict.get("planner", {}))
-        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
-        self.accumulation_state.consumed_samples = int(state_dict.get("consumed_samples", 0))
-        self.accumulation_state.oom_retries = int(state_dict.get("oom_retries", 0))
 
 
 _UNITS = {
@@ -641,12 +623,6 @@ def _broadcast_buffers_now(trainer: pl.Trainer) -> None:
     model.require_forward_param_sync = False
 
 
-def _describe_counter(counter: ItemCounter | None) -> str:
-    if counter is None:
-        return "samples"
-    return getattr(counter, "__qualname__", None) or repr(counter)
-
-
 def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
     layers = [
         f"{name}: {type(module).__name__}"
@@ -664,8 +640,3 @@ def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
         " `AutoMicroBatching(<step batch size>, pin_micro_batch_size=True)` if it fits (it is still split after an"
         " OOM)."
     )
-
-
-@rank_zero_only
-def _log_info(message: str) -> None:
-    log.info(message)

@@ -1,0 +1,136 @@
+"""What every callback that owns accumulation does alike: claiming ``k``, undoing its patches, publishing reports.
+
+``AccumulationScheduler`` (window mode) and ``AutoMicroBatching`` (split mode) differ in how a step is cut into
+micro-batches; everything around that lives here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lightning_accum.items import resolve_counter
+from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer, check_loss_reduction
+from lightning_accum.report import AccumulationEvent, StepReport
+from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
+
+log = logging.getLogger("lightning_accum")
+
+
+class AccumulationOwner(Callback):
+    """Base of the callbacks that own gradient accumulation. Not used directly.
+
+    It holds the item counter, the exactness arithmetic (`lightning_accum.normalization.WindowNormalizer`) and the
+    batch hooks; it moves its callback to the front of ``trainer.callbacks`` (so that every other
+    ``on_before_optimizer_step`` sees the exact gradient), undoes what the subclass installed on the trainer when
+    ``fit`` ends or raises, and publishes one `lightning_accum.report.StepReport` per optimizer step.
+    """
+
+    def __init__(self, count_items: ItemCounter | str | None, loss_reduction: LossReduction) -> None:
+        self.count_items = resolve_counter(count_items)
+        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
+        self.normalizer = WindowNormalizer(loss_reduction)
+        self.last_step_report: StepReport | None = None
+        self.consumed_samples = 0  # all ranks, since the start of training (restored on resume)
+        self.oom_retries = 0
+        self.events: list[AccumulationEvent] = []  # every event of the run (they are rare: OOMs, resizes, k changes)
+        self._hooks: BatchHooks = resolve_batch_hooks(None)
+        self._pending_events: list[AccumulationEvent] = []
+        self._undo: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------------------------------------------------------
+    # the trainer
+    # ----------------------------------------------------------------------------------------------------------
+    def _claim(self, trainer: pl.Trainer) -> None:
+        """Refuse a second owner, and run first among the callbacks."""
+        others = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, AccumulationOwner)]
+        if others:
+            raise RuntimeError(
+                f"`{type(self).__name__}` and `{type(others[0]).__name__}` both want to own gradient accumulation."
+                " Keep one of them."
+            )
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)
+
+    def _install(self, undo: Callable[[], None]) -> None:
+        """Remember how to undo something installed on the trainer."""
+        self._undo.append(undo)
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        """Undo everything installed, last first. Subclasses extend it to put back what else they changed."""
+        while self._undo:
+            self._undo.pop()()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restore(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no `teardown` hook after an exception; a re-fit of this Trainer must find it as it was.
+        self._restore(trainer)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # what happened
+    # ----------------------------------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """Every setting, as the user gave it, for a run's config (W&B's ``lightning_accum`` entry)."""
+        return {
+            "count_items": describe_counter(self.count_items),
+            "loss_reduction": self.loss_reduction,
+            "batch_size_of": self._hooks.batch_size_of_source,
+        }
+
+    def _record(self, event: AccumulationEvent) -> None:
+        self.events.append(event)
+        self._pending_events.append(event)
+        log_info(event.message())
+
+    def _publish(self, report: StepReport) -> None:
+        self.last_step_report = report
+
+    def _take_events(self) -> tuple[AccumulationEvent, ...]:
+        events, self._pending_events = tuple(self._pending_events), []
+        return events
+
+    # ----------------------------------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "consumed_samples": self.consumed_samples,
+            "oom_retries": self.oom_retries,
+            "normalizer": self.normalizer.state_dict(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        self.oom_retries = int(state_dict.get("oom_retries", 0))
+        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
+
+
+def find_owner(callbacks: list[Any]) -> AccumulationOwner | None:
+    """The callback that owns accumulation, if any."""
+    return next((cb for cb in callbacks if isinstance(cb, AccumulationOwner)), None)
+
+
+def describe_counter(counter: Callable[..., Any] | None) -> str:
+    """How a run's config names an item counter: ``samples`` for the default, else its name or repr."""
+    if counter is None:
+        return "samples"
+    return getattr(counter, "__qualname__", None) or repr(counter)
+
+
+@rank_zero_only
+def log_info(message: str) -> None:
+    log.info(message)

@@ -1,0 +1,103 @@
+"""What one optimizer step did: the typed record an accumulation owner publishes and the monitor reads. Pure.
+
+The callback that owns accumulation (``AccumulationScheduler`` or ``AutoMicroBatching``) publishes one frozen
+`StepReport` per optimizer step as its ``last_step_report``; ``AccumulationMonitor`` reads it, and builds the same
+record from the batches when no owner is present (plain ``Trainer(accumulate_grad_batches=k)``). Nothing flows the
+other way. Counts are global (summed over ranks) unless a field says "this rank".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+EventKind = Literal["schedule_change", "oom_recovered", "shrink", "grow"]
+Mode = Literal["window", "split", "lightning"]
+
+
+@dataclass(frozen=True)
+class AccumulationEvent:
+    """Something that changed the shape of the work, for logs and dashboards."""
+
+    kind: EventKind
+    step: int
+    before: int
+    after: int
+    reason: str = ""
+
+    def message(self) -> str:
+        """The log line, e.g. ``lightning_accum: micro-batch size after an OOM 8 -> 4 at step 3``."""
+        what = {
+            "schedule_change": "accumulation steps",
+            "oom_recovered": "micro-batch size after an OOM",
+            "shrink": "micro-batch size (memory pressure)",
+            "grow": "micro-batch size (memory freed)",
+        }[self.kind]
+        tail = f" ({self.reason})" if self.reason else ""
+        return f"lightning_accum: {what} {self.before} -> {self.after} at step {self.step}{tail}"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The figures of one completed optimizer step.
+
+    Attributes:
+        mode: ``"window"`` (the dataloader yields micro-batches), ``"split"`` (it yields whole step batches) or
+            ``"lightning"`` (no owner: plain ``accumulate_grad_batches``, counted by the monitor).
+        micro_batch_size: samples in the step's first micro-batch on one rank.
+        accumulation_steps: micro-batches in this step on one rank (a short tail window has fewer than ``k``).
+        effective_batch_size: samples in the step, all ranks.
+        items: items (samples or tokens) in the step, all ranks.
+        consumed_samples: samples consumed since the start of training, all ranks, this step included.
+        oom_retries: OOMs recovered from since the start of training.
+        loss_sum: this rank's loss summed over its items in the step (a tensor: reading it would sync the device);
+            ``None`` when unknown.
+        loss_items: this rank's items behind ``loss_sum``.
+        events: what changed the shape of the work since the previous report.
+        peak_bytes: the step's peak memory, the maximum over ranks, where the owner measured it (split mode resets the
+            peak every step); ``None`` otherwise.
+        budget_bytes: the memory budget, where the owner has one.
+    """
+
+    mode: Mode
+    micro_batch_size: int
+    accumulation_steps: int
+    effective_batch_size: int
+    items: float
+    consumed_samples: int
+    oom_retries: int = 0
+    loss_sum: Tensor | float | None = None
+    loss_items: Tensor | float | None = None
+    events: tuple[AccumulationEvent, ...] = ()
+    peak_bytes: int | None = None
+    budget_bytes: float | None = None
+
+
+class LossSum:
+    """A loss summed over items, micro-batch by micro-batch, without reading anything back from the device.
+
+    Examples:
+        >>> total = LossSum()
+        >>> total.add(torch.tensor(2.0), n_items=3, loss_reduction="mean")  # a mean over 3 items
+        >>> total.add(torch.tensor(float("nan")), n_items=0, loss_reduction="mean")  # an empty micro-batch
+        >>> total.add(torch.tensor(4.0), n_items=1, loss_reduction="sum")
+        >>> total.total, total.items
+        (tensor(10.), 4)
+    """
+
+    def __init__(self) -> None:
+        self.total: Tensor | float = 0.0
+        self.items: Tensor | float = 0
+
+    def add(self, loss: Tensor, n_items: Tensor | float, loss_reduction: str) -> None:
+        """Add one micro-batch's ``loss`` (its mean or sum over ``n_items`` items); an empty one adds nothing."""
+        summed = loss.detach().float() * n_items if loss_reduction == "mean" else loss.detach().float()
+        if isinstance(n_items, Tensor):
+            summed = torch.where(n_items > 0, summed, torch.zeros_like(summed))  # no NaN from a mean over nothing
+        elif n_items <= 0:
+            return
+        self.total = self.total + summed
+        self.items = self.items + n_items
