@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum._validation import import_object
+from lightning_accum._validation import check_int, import_object
 from lightning_accum.normalization import batch_size_of
 
 
@@ -61,10 +61,10 @@ class CountTokens:
                 f"`key` must be a str (a mapping key or attribute name) or an int (a position in a tuple batch),"
                 f" got {key!r} of type {type(key).__name__}."
             )
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(f"`ignore_index` must be an int such as -100, got {ignore_index!r}.")
         self.key = key
-        self.ignore_index = ignore_index
+        self.ignore_index = check_int(
+            ignore_index, "ignore_index", hint="Pass the label value that carries no loss, such as -100."
+        )
 
     def __call__(self, batch: Any) -> Tensor:
         labels = _lookup(batch, self.key)

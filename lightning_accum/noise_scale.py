@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_accum._validation import check_int
+from lightning_accum._validation import check_int, check_number
 
 
 def unbiased_estimates(
@@ -98,14 +98,14 @@ class NoiseScaleEstimator:
     """
 
     def __init__(self, beta: float = 0.99) -> None:
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-            raise TypeError(f"`beta` must be a number in [0, 1), got {beta!r} of type {type(beta).__name__}.")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(
-                f"`beta` must be in [0, 1), got {beta}. It is the moving average's decay per window: 0.99 averages"
-                " over about 100 windows."
-            )
-        self.beta = float(beta)
+        self.beta = check_number(
+            beta,
+            "beta",
+            0,
+            1,
+            max_inclusive=False,
+            hint="It is the moving average's decay per window: 0.99 averages over about 100 windows.",
+        )
         self._grad_sq_norm = 0.0
         self._trace_cov = 0.0
         self._windows = 0

@@ -30,6 +30,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_accum._validation import check_choice
+
 # `batch_size_of` reads a batch the way `split_batch` cuts it, so it lives with it; it is part of this module's API.
 from lightning_accum.splitting import batch_size_of as batch_size_of
 
@@ -40,13 +42,19 @@ LossReduction = Literal["mean", "sum"]
 ItemCounter = Callable[[Any], Any]
 
 
+_LOSS_REDUCTIONS: dict[LossReduction, str] = {
+    "mean": "training_step returns the mean over the items of its micro-batch",
+    "sum": "it returns their sum",
+}
+
+
 def check_loss_reduction(loss_reduction: Any) -> LossReduction:
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"`loss_reduction` must be 'mean' (training_step returns the mean over the items of its micro-batch)"
-            f" or 'sum' (it returns their sum), got {loss_reduction!r}."
-        )
-    return loss_reduction  # type: ignore[no-any-return]
+    """``loss_reduction`` if it is ``"mean"`` or ``"sum"``.
+
+    Raises:
+        ValueError: it is neither; the message says what each one means.
+    """
+    return check_choice(loss_reduction, "loss_reduction", _LOSS_REDUCTIONS)
 
 
 def count_items(batch: Any, counter: ItemCounter | None) -> int | float | Tensor:
@@ -168,9 +176,10 @@ class WindowNormalizer:
         >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
         >>> norm = WindowNormalizer("mean")
         >>> norm.start_window(accumulation_steps=2)
-        >>> for chunk in (x[:4], x[4:]):
-        ...     loss = (w * chunk).mean()
-        ...     (loss * norm.add_micro_batch(n_items=len(chunk), n_samples=len(chunk))).backward()
+        >>> for micro_batch in (x[:4], x[4:]):
+        ...     loss = (w * micro_batch).mean()
+        ...     n = len(micro_batch)
+        ...     (loss * norm.add_micro_batch(n_items=n, n_samples=n)).backward()
         >>> totals = norm.finish_window([w])
         >>> w.grad, x.mean()
         (tensor([3.]), tensor(3.))

@@ -9,10 +9,10 @@ The dataloader yields a per-device step batch of ``B`` samples; the planner pick
 
 How sizes are chosen:
 
-* **Balanced chunks.** For a largest-fitting size ``b_fit`` the planner keeps ``k = ceil(B / b_fit)`` and then
-  evens out the chunks: ``b = ceil(B / k) <= b_fit``. This never adds a pass and lowers the peak: ``B = 100`` with
-  ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not required; a prime
-  ``B`` would otherwise force ``b = 1``.
+* **Balanced micro-batches.** For a largest-fitting size ``b_fit`` the planner keeps ``k = ceil(B / b_fit)`` and
+  then evens out the micro-batches: ``b = ceil(B / k) <= b_fit``. This never adds a pass and lowers the peak:
+  ``B = 100`` with ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not
+  required; a prime ``B`` would otherwise force ``b = 1``.
 * **Predict, don't probe.** Each step's peak is fed to a `lightning_accum.memory.model.LinearPeakModel`.
   Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
   measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
@@ -35,7 +35,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from lightning_accum._validation import check_int
+from lightning_accum._validation import check_bool, check_int, check_number
+from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
@@ -109,17 +110,17 @@ class MicroBatchPlanner:
     Examples:
         A 64-sample step batch on a device whose peak is ``1 GiB + 0.1 GiB * b``, with a 3 GiB budget:
 
-        >>> GiB = 2**30
-        >>> planner = MicroBatchPlanner("auto", budget_bytes=3 * GiB, grow_patience=1)
+        >>> from lightning_accum.memory.budget import GIB
+        >>> planner = MicroBatchPlanner("auto", budget_bytes=3 * GIB, grow_patience=1)
         >>> planner.size_for(64)  # starts from the whole batch
         64
         >>> planner.on_oom(64, step=0)  # nothing measured yet: halve
         32
         >>> planner.on_oom(32, step=0)
         16
-        >>> planner.on_step(16, peak_bytes=1 * GiB + 16 * GiB // 10, step=0)  # 2.6 GiB: fits, not under 70%
+        >>> planner.on_step(16, peak_bytes=1 * GIB + 16 * GIB // 10, step=0)  # 2.6 GiB: fits, not under 70%
         16
-        >>> planner.on_step(16, peak_bytes=1 * GiB + 16 * GiB // 10, step=1)
+        >>> planner.on_step(16, peak_bytes=1 * GIB + 16 * GIB // 10, step=1)
         16
         >>> [(e.kind, e.before, e.after) for e in planner.take_events()]
         [('oom_recovered', 64, 32), ('oom_recovered', 32, 16)]
@@ -139,7 +140,7 @@ class MicroBatchPlanner:
         refit_tolerance: float = 0.25,
     ) -> None:
         if micro_batch_size != "auto":
-            check_int(micro_batch_size, "micro_batch_size", 1, hint=' or "auto"')
+            check_int(micro_batch_size, "micro_batch_size", 1, alternative='"auto"')
         self.micro_batch_size_setting: int | Literal["auto"] = micro_batch_size
         self.min_micro_batch_size = check_int(min_micro_batch_size, "min_micro_batch_size", 1)
         if isinstance(micro_batch_size, int) and micro_batch_size < min_micro_batch_size:
@@ -148,26 +149,25 @@ class MicroBatchPlanner:
                 " Lower `min_micro_batch_size` or raise `micro_batch_size`."
             )
         if budget_bytes is not None:
-            budget_bytes = _check_positive(budget_bytes, "budget_bytes")
+            budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
         self.budget_bytes: float | None = budget_bytes
-        low_watermark = _check_positive(low_watermark, "low_watermark")
-        if low_watermark >= 1:
-            raise ValueError(
-                f"`low_watermark` must be a fraction of the budget in (0, 1), got {low_watermark!r}; e.g. 0.7 grows"
-                " the micro-batch after the peak stayed under 70% of the budget."
-            )
-        self.low_watermark = low_watermark
+        self.low_watermark = check_number(
+            low_watermark,
+            "low_watermark",
+            0,
+            1,
+            min_inclusive=False,
+            max_inclusive=False,
+            kind="fraction of the budget",
+            hint="For example 0.7 grows the micro-batch after the peak stayed under 70% of the budget.",
+        )
         self.grow_patience = check_int(grow_patience, "grow_patience", 1)
         self.oom_cooldown = check_int(oom_cooldown, "oom_cooldown", 0)
-        if not isinstance(predictive, bool):
-            raise TypeError(f"`predictive` must be a bool, got {predictive!r}.")
-        if not isinstance(pinned, bool):
-            raise TypeError(f"`pinned` must be a bool, got {pinned!r}.")
+        self.predictive = check_bool(predictive, "predictive")
+        self.pinned = check_bool(pinned, "pinned")
         if pinned and micro_batch_size == "auto":
             raise ValueError('`pinned=True` needs an int `micro_batch_size` to pin, got "auto".')
-        self.predictive = predictive
-        self.pinned = pinned
-        self.refit_tolerance = _check_positive(refit_tolerance, "refit_tolerance")
+        self.refit_tolerance = check_number(refit_tolerance, "refit_tolerance", 0, min_inclusive=False)
 
         self.model = LinearPeakModel()
         self.events: list[PlannerEvent] = []
@@ -249,7 +249,7 @@ class MicroBatchPlanner:
         """
         size = check_int(size, "size", 1)
         step = check_int(step, "step", 0)
-        peak = _check_positive(peak_bytes, "peak_bytes", allow_zero=True)
+        peak = check_number(peak_bytes, "peak_bytes", 0, kind="number of bytes")
         retries = check_int(alloc_retries_delta, "alloc_retries_delta", 0)
         if self._limit is None:
             self._limit = size
@@ -474,11 +474,11 @@ def simulate(
     Examples:
         Peak ``2 + 0.25 b`` GiB on a 16 GiB device with a 14.4 GiB budget and a 256-sample step batch:
 
-        >>> GiB = 2**30
+        >>> from lightning_accum.memory.budget import GIB
         >>> def run(predictive):
-        ...     planner = MicroBatchPlanner(budget_bytes=14.4 * GiB, predictive=predictive)
-        ...     return simulate(planner, step_batch_size=256, steps=400, capacity_bytes=16 * GiB,
-        ...                     peak_bytes=lambda step, b: (2 + 0.25 * b) * GiB)
+        ...     planner = MicroBatchPlanner(budget_bytes=14.4 * GIB, predictive=predictive)
+        ...     return simulate(planner, step_batch_size=256, steps=400, capacity_bytes=16 * GIB,
+        ...                     peak_bytes=lambda step, b: (2 + 0.25 * b) * GIB)
         >>> predictive, halving = run(True), run(False)
         >>> predictive.ooms, predictive.final_size, halving.ooms, halving.final_size
         (3, 43, 4, 32)
@@ -495,14 +495,5 @@ def simulate(
     return result
 
 
-def _check_positive(value: Any, name: str, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number, got {value!r} of type {type(value).__name__}.")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"`{name}` must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}.")
-    return value
-
-
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / GIB:.2f} GiB"

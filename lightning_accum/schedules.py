@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
+
+from lightning_accum._validation import check_choice, check_int
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
 Rounding = Literal["error", "floor", "ceil", "nearest"]
-_UNITS: tuple[str, ...] = ("epoch", "step", "sample")
-_ROUNDINGS: tuple[str, ...] = ("error", "floor", "ceil", "nearest")
+_UNITS = get_args(ScheduleUnit)
+_ROUNDINGS = get_args(Rounding)
+_K_HINT = "Use 1 to disable accumulation."
 
 
 @dataclass(frozen=True)
@@ -53,21 +56,6 @@ class AccumulationSchedule(Protocol):
         ...
 
 
-def _check_k(value: Any, name: str, hint: str = " Use 1 to disable accumulation.") -> int:
-    # bool is an int subclass; `True` as k is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.{hint}")
-    return value
-
-
-def _check_unit(unit: Any) -> ScheduleUnit:
-    if unit not in _UNITS:
-        raise ValueError(f"`unit` must be one of {', '.join(repr(u) for u in _UNITS)}, got {unit!r}.")
-    return unit  # type: ignore[no-any-return]
-
-
 class ConstantSchedule:
     """The same ``k`` for the whole run.
 
@@ -77,7 +65,7 @@ class ConstantSchedule:
     """
 
     def __init__(self, accumulation_steps: int) -> None:
-        self.k = _check_k(accumulation_steps, "accumulation_steps")
+        self.k = check_int(accumulation_steps, "accumulation_steps", 1, hint=_K_HINT)
 
     def accumulation_steps(self, progress: Progress) -> int:
         return self.k
@@ -107,7 +95,7 @@ class StepwiseSchedule:
     """
 
     def __init__(self, milestones: Mapping[int, int], unit: ScheduleUnit = "epoch") -> None:
-        self.unit: ScheduleUnit = _check_unit(unit)
+        self.unit: ScheduleUnit = check_choice(unit, "unit", _UNITS)
         if not isinstance(milestones, Mapping) or not milestones:
             raise TypeError(
                 f"`schedule` must be a non-empty mapping {{{unit}: k}}, got {milestones!r}."
@@ -119,7 +107,7 @@ class StepwiseSchedule:
                 raise TypeError(f"`schedule` keys must be ints counting {unit}s, got key {key!r} in {milestones!r}.")
             if key < 0:
                 raise ValueError(f"`schedule` keys must be >= 0, got key {key} in {dict(milestones)!r}.")
-            _check_k(milestones[key], f"schedule[{key}]")
+            check_int(milestones[key], f"schedule[{key}]", 1, hint=_K_HINT)
         if keys != sorted(keys) or len(set(keys)) != len(keys):
             raise ValueError(
                 f"`schedule` keys must be strictly increasing, got {keys}. Write the mapping in {unit} order,"
@@ -179,11 +167,8 @@ class BatchSizeRamp:
         self, start: int, target: int, increment: int, ramp_samples: int, rounding: Rounding = "error"
     ) -> None:
         for name, value in (("start", start), ("target", target), ("increment", increment)):
-            _check_k(value, name, hint=" It counts samples in a global batch.")
-        if isinstance(ramp_samples, bool) or not isinstance(ramp_samples, int):
-            raise TypeError(f"`ramp_samples` must be an int, got {ramp_samples!r}.")
-        if ramp_samples < 0:
-            raise ValueError(f"`ramp_samples` must be >= 0, got {ramp_samples}.")
+            check_int(value, name, 1, hint="It counts samples in a global batch.")
+        check_int(ramp_samples, "ramp_samples", 0, hint="It counts consumed samples, all ranks together.")
         if target < start:
             raise ValueError(f"`target` ({target}) must be >= `start` ({start}); a ramp only grows the batch.")
         if (target - start) % increment:
@@ -191,10 +176,8 @@ class BatchSizeRamp:
                 f"`target - start` ({target} - {start} = {target - start}) must be a multiple of `increment`"
                 f" ({increment}). Choose an increment that divides {target - start}."
             )
-        if rounding not in _ROUNDINGS:
-            raise ValueError(f"`rounding` must be one of {', '.join(map(repr, _ROUNDINGS))}, got {rounding!r}.")
+        self.rounding: Rounding = check_choice(rounding, "rounding", _ROUNDINGS)
         self.start, self.target, self.increment, self.ramp_samples = start, target, increment, ramp_samples
-        self.rounding: Rounding = rounding
 
     def global_batch_size(self, consumed_samples: int) -> int:
         """The requested global batch size once ``consumed_samples`` have been consumed."""
@@ -309,13 +292,13 @@ def as_schedule(schedule: Any, unit: ScheduleUnit = "epoch") -> AccumulationSche
         >>> as_schedule({0: 1, 3: 4}, unit="step")
         StepwiseSchedule({0: 1, 3: 4}, unit='step')
     """
-    _check_unit(unit)
+    check_choice(unit, "unit", _UNITS)
     if schedule is None:
         return None
     if isinstance(schedule, bool):
         raise TypeError(f"`schedule` must be an int, a mapping, a schedule object or None, got {schedule!r}.")
     if isinstance(schedule, int):
-        _check_k(schedule, "schedule")
+        check_int(schedule, "schedule", 1, hint=_K_HINT)
         return ConstantSchedule(schedule)
     if isinstance(schedule, Mapping):
         return StepwiseSchedule(schedule, unit=unit)

@@ -6,16 +6,16 @@ of ``B`` samples:
 ========================================================  ==============================================
 element                                                   in each micro-batch
 ========================================================  ==============================================
-tensor (or NumPy array) with ``shape[0] == B``            its rows of the chunk
+tensor (or NumPy array) with ``shape[0] == B``            its rows
 0-dim tensor, ``None``, numbers, strings, other objects   the same object (shared, not copied)
 tensor with ``dim() >= 1`` and ``shape[0] != B``          error: ``ValueError`` naming the element
-list / tuple holding no tensor of ``dim() >= 1``,         its entries of the chunk (e.g. the raw texts, or
-``len == B``                                              0-dim label tensors)
+list / tuple holding no tensor of ``dim() >= 1``,         its entries (e.g. the raw texts, or 0-dim label
+``len == B``                                              tensors)
 list / tuple holding no tensor of ``dim() >= 1``,         the same object
 ``len != B``
 list / tuple / namedtuple of fields                       the same container type, each element cut
 (``(x, y)``, ``(input_ids, attention_mask)``)
-list / tuple of ``B`` per-sample structures               its entries of the chunk (e.g. detection samples
+list / tuple of ``B`` per-sample structures               its entries (e.g. detection samples
 (tuples, dicts, dataclasses of one structure)             ``(image, target)``, or one dict of boxes per
                                                           image, any number of boxes)
 tuple of ``B`` images next to a tuple of ``B`` targets    each tuple cut by entry (torchvision's detection
@@ -23,7 +23,7 @@ tuple of ``B`` images next to a tuple of ``B`` targets    each tuple cut by entr
 dict, ``OrderedDict``, ``UserDict`` (``BatchEncoding``),  the same type, each value cut; ``UserDict``
 other ``Mapping``                                         subclasses keep their other attributes
 dataclass                                                 the same type, each field cut (``__init__`` and
-                                                          ``__post_init__`` run again on the chunk)
+                                                          ``__post_init__`` run again on the micro-batch)
 any other object                                          not cut: pass ``split_batch=`` (see below)
 ========================================================  ==============================================
 
@@ -119,8 +119,8 @@ def batch_size_of(batch: Any) -> int:
 def split_batch(batch: Any, micro_batch_size: int, *, batch_size: int | None = None) -> list[Any]:
     """Cut ``batch`` into micro-batches of ``micro_batch_size`` samples (the last may be smaller).
 
-    Concatenating the chunks' tensors along dim 0 gives back the batch's tensors. Chunks are views of the batch's
-    tensors, not copies. An empty batch (0 samples) gives an empty list. See the module docstring for how each kind
+    Concatenating the micro-batches' tensors along dim 0 gives back the batch's tensors. Their tensors are views of
+    the batch's, not copies. An empty batch (0 samples) gives an empty list. See the module docstring for how each kind
     of element is treated.
 
     Args:
@@ -136,8 +136,8 @@ def split_batch(batch: Any, micro_batch_size: int, *, batch_size: int | None = N
 
     Examples:
         >>> batch = {"x": torch.arange(10).view(5, 2), "y": torch.arange(5), "lr": 0.1, "text": list("abcde")}
-        >>> chunks = split_batch(batch, 2)
-        >>> [c["y"].tolist() for c in chunks], [c["text"] for c in chunks], chunks[2]["lr"]
+        >>> micro_batches = split_batch(batch, 2)
+        >>> [m["y"].tolist() for m in micro_batches], [m["text"] for m in micro_batches], micro_batches[2]["lr"]
         ([[0, 1], [2, 3], [4]], [['a', 'b'], ['c', 'd'], ['e']], 0.1)
     """
     return [micro.batch for micro in _split(batch, micro_batch_size, batch_size, "the `batch_size=` argument")]
@@ -331,18 +331,10 @@ def _declared_size(batch: Any) -> tuple[int | None, str]:
     name = type(batch).__name__
     declared = getattr(batch, "batch_size", None)
     if declared is not None:
-        source = f"`{name}.batch_size`"
         if isinstance(declared, torch.Size) and len(declared) > 0:
             declared = declared[0]
-        value = as_whole_number(declared)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            error = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
-            raise error(
-                f"{source} must be an int >= 0 (the number of samples in the batch), got {declared!r}"
-                + ("" if error is ValueError else f" of type {type(declared).__name__}")
-                + "."
-            )
-        return value, source
+        hint = "It is the number of samples in the batch."
+        return check_int(as_whole_number(declared), f"{name}.batch_size", 0, hint=hint), f"`{name}.batch_size`"
     if hasattr(type(batch), "__len__"):
         return len(batch), f"`len({name})`"
     if _is_dataclass_instance(batch):
@@ -706,7 +698,7 @@ def _cut_dataclass(obj: Any, start: int, stop: int, size: int, path: str, sample
     for f in fields:
         if not f.init and not hasattr(new, f.name):
             # A field outside __init__ is usually derived in __post_init__, which replace() just re-ran on the
-            # chunk; only one that nothing set is cut from the original. object.__setattr__ works on frozen classes.
+            # micro-batch; only one that nothing set is cut from the original (object.__setattr__ works when frozen).
             value = _cut(getattr(obj, f.name), start, stop, size, f"{path}.{f.name}", sample_lists)
             object.__setattr__(new, f.name, value)
     return new

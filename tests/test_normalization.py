@@ -4,18 +4,18 @@ import torch
 from lightning_accum.normalization import WindowNormalizer, batch_size_of, count_items
 
 
-def accumulate(normalizer, chunks, reduction, world_size=1, sum_across_ranks=None):
+def accumulate(normalizer, micro_batches, reduction, world_size=1, sum_across_ranks=None):
     w = torch.zeros(1, requires_grad=True)
-    normalizer.start_window(accumulation_steps=len(chunks))
-    for chunk in chunks:
-        loss = (w * chunk).sum() if reduction == "sum" else (w * chunk).mean()
-        (loss * normalizer.add_micro_batch(len(chunk), len(chunk))).backward()
+    normalizer.start_window(accumulation_steps=len(micro_batches))
+    for micro_batch in micro_batches:
+        loss = (w * micro_batch).sum() if reduction == "sum" else (w * micro_batch).mean()
+        (loss * normalizer.add_micro_batch(len(micro_batch), len(micro_batch))).backward()
     totals = normalizer.finish_window([w], sum_across_ranks, world_size)
     return w.grad, totals
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_uneven_chunks_give_the_mean_over_all_items(reduction):
+def test_uneven_micro_batches_give_the_mean_over_all_items(reduction):
     x = torch.arange(1.0, 8.0)
     grad, totals = accumulate(WindowNormalizer(reduction), [x[:4], x[4:6], x[6:]], reduction)
     torch.testing.assert_close(grad, x.mean().reshape(1))
@@ -36,11 +36,11 @@ def test_world_size_undoes_ddps_mean():
     x = torch.arange(1.0, 9.0)
     ranks = [x[:3], x[3:]]
     buffers = []
-    for chunk in ranks:
+    for micro_batch in ranks:
         w = torch.zeros(1, requires_grad=True)
         n = WindowNormalizer("mean")
         n.start_window(1)
-        ((w * chunk).mean() * n.add_micro_batch(len(chunk), len(chunk))).backward()
+        ((w * micro_batch).mean() * n.add_micro_batch(len(micro_batch), len(micro_batch))).backward()
         buffers.append((n, w))
     averaged = (buffers[0][1].grad + buffers[1][1].grad) / 2
     w = buffers[0][1]
@@ -163,9 +163,9 @@ def test_batch_size_of_reads_the_batch_objects_own_count():
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (2.5, TypeError, r"`_WithBatchSize.batch_size` must be an int >= 0 .*got 2.5 of type float"),
-        (-1, ValueError, r"`_WithBatchSize.batch_size` must be an int >= 0 .*got -1"),
-        ("8", TypeError, r"`_WithBatchSize.batch_size` must be an int >= 0 .*got '8' of type str"),
+        (2.5, TypeError, r"`_WithBatchSize.batch_size` must be an int >= 0, got 2.5 of type float\. It is the number"),
+        (-1, ValueError, r"`_WithBatchSize.batch_size` must be an int >= 0, got -1\. It is the number of samples"),
+        ("8", TypeError, r"`_WithBatchSize.batch_size` must be an int >= 0, got '8' of type str"),
     ],
 )
 def test_a_bad_batch_size_attribute_is_named(value, error, match):

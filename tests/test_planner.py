@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
+from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.planner import MicroBatchOOMError, MicroBatchPlanner, PlannerEvent, SimulationResult, simulate
 from lightning_accum.report import AccumulationEvent
 
-GiB = 2**30
-CAPACITY = 16 * GiB
+CAPACITY = 16 * GIB
 BUDGET = 0.9 * CAPACITY  # 14.4 GiB
-FIXED, PER_SAMPLE = 2 * GiB, GiB / 4  # peak(b) = 2 GiB + 0.25 GiB * b: b <= 49 fits the budget, b <= 56 the device
+FIXED, PER_SAMPLE = 2 * GIB, GIB / 4  # peak(b) = 2 GiB + 0.25 GiB * b: b <= 49 fits the budget, b <= 56 the device
 
 
 def peak(b: int, per_sample: float = PER_SAMPLE) -> float:
@@ -256,13 +256,13 @@ def test_never_grows_into_a_size_in_cool_down():
     p = planner(grow_patience=1, oom_cooldown=50)
     p.size_for(64)
     assert p.on_oom(64, step=0) == 32
-    p.model.observe(4, 1.0 * GiB)  # a model that says everything up to 64 fits easily
-    p.model.observe(8, 1.1 * GiB)
+    p.model.observe(4, 1.0 * GIB)  # a model that says everything up to 64 fits easily
+    p.model.observe(8, 1.1 * GIB)
     # The model allows 64, but 64 is cooling down: the limit becomes 63, which still needs 2 micro-batches of 32.
-    assert p.on_step(32, 2 * GiB, step=1) == balanced(63, 64) == 32
+    assert p.on_step(32, 2 * GIB, step=1) == balanced(63, 64) == 32
     assert [e.kind for e in p.events] == ["oom_recovered"]
     assert p.cooling_down_from(49) == 64
-    assert p.on_step(32, 2 * GiB, step=50) == 64  # the cool-down is over
+    assert p.on_step(32, 2 * GIB, step=50) == 64  # the cool-down is over
     assert p.cooling_down_from(50) is None
 
 
@@ -270,20 +270,20 @@ def test_halving_mode_doubles_back_only_after_the_cool_down():
     p = planner(predictive=False, grow_patience=1, oom_cooldown=10)
     p.size_for(64)
     assert p.on_oom(64, step=0) == 32
-    assert [p.on_step(32, GiB, step=s) for s in range(1, 10)] == [32] * 9
-    assert p.on_step(32, GiB, step=10) == 64
+    assert [p.on_step(32, GIB, step=s) for s in range(1, 10)] == [32] * 9
+    assert p.on_step(32, GIB, step=10) == 64
 
 
 def test_growth_is_capped_by_the_step_batch_size():
     p = planner(micro_batch_size=4, grow_patience=1)
     p.size_for(20)
-    assert p.on_step(4, GiB, step=0) == 20
+    assert p.on_step(4, GIB, step=0) == 20
 
 
 def test_no_budget_means_no_budget_decisions():
     p = MicroBatchPlanner(micro_batch_size=8, grow_patience=1)
     p.size_for(64)
-    assert [p.on_step(8, 100 * GiB if s % 2 else GiB, step=s) for s in range(10)] == [8] * 10
+    assert [p.on_step(8, 100 * GIB if s % 2 else GIB, step=s) for s in range(10)] == [8] * 10
     assert p.on_oom(8, step=10) == 4
 
 

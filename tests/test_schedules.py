@@ -70,8 +70,9 @@ def test_k_for_global_batch_never_goes_below_one():
         ({"start": 0}, ValueError, r"`start` must be an int >= 1, got 0"),
         ({"target": 16}, ValueError, r"`target` \(16\) must be >= `start` \(32\)"),
         ({"increment": 40}, ValueError, r"multiple of `increment` \(40\)"),
-        ({"ramp_samples": -1}, ValueError, r"`ramp_samples` must be >= 0, got -1"),
-        ({"rounding": "up"}, ValueError, r"`rounding` must be one of"),
+        ({"ramp_samples": -1}, ValueError, r"`ramp_samples` must be an int >= 0, got -1\. It counts consumed samples"),
+        ({"ramp_samples": 2.5}, TypeError, r"`ramp_samples` must be an int >= 0, got 2.5 of type float"),
+        ({"rounding": "up"}, ValueError, r"`rounding` must be one of 'error', 'floor', 'ceil', 'nearest', got 'up'"),
     ],
 )
 def test_ramp_bad_arguments(kwargs, error, match):

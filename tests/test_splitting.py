@@ -46,19 +46,19 @@ def _x(n: int = B, *rest: int) -> torch.Tensor:
     return torch.arange(n * math.prod(rest), dtype=torch.float32).reshape(n, *rest)
 
 
-def _concat(chunks: list[Any]) -> Any:
-    """Reassemble chunks made of the same structure: tensors and per-sample lists are concatenated."""
-    first = chunks[0]
+def _concat(micro_batches: list[Any]) -> Any:
+    """Reassemble micro-batches made of the same structure: tensors and per-sample lists are concatenated."""
+    first = micro_batches[0]
     if isinstance(first, torch.Tensor):
-        return first if first.ndim == 0 else torch.cat(chunks)
+        return first if first.ndim == 0 else torch.cat(micro_batches)
     if isinstance(first, Mapping):
-        return {k: _concat([c[k] for c in chunks]) for k in first}
+        return {k: _concat([c[k] for c in micro_batches]) for k in first}
     if isinstance(first, tuple):
-        return tuple(_concat([c[i] for c in chunks]) for i in range(len(first)))
+        return tuple(_concat([c[i] for c in micro_batches]) for i in range(len(first)))
     if isinstance(first, list):
         if all(isinstance(v, torch.Tensor) for v in first):
-            return [_concat([c[i] for c in chunks]) for i in range(len(first))]
-        return [v for c in chunks for v in c]  # one entry per sample
+            return [_concat([c[i] for c in micro_batches]) for i in range(len(first))]
+        return [v for c in micro_batches for v in c]  # one entry per sample
     return first
 
 
@@ -103,18 +103,18 @@ def test_num_micro_batches_validation(args: tuple, error: type[Exception], match
 
 
 @pytest.mark.parametrize("micro", [1, 3, 4, 5, 9, 10, 11, 64])
-def test_chunk_sizes(micro: int):
-    chunks = split_batch(_x(B, 2), micro)
-    sizes = [len(c) for c in chunks]
-    assert len(chunks) == num_micro_batches(B, micro)
+def test_micro_batch_sizes(micro: int):
+    micro_batches = split_batch(_x(B, 2), micro)
+    sizes = [len(c) for c in micro_batches]
+    assert len(micro_batches) == num_micro_batches(B, micro)
     assert sizes == [min(micro, B - start) for start in range(0, B, micro)]
-    torch.testing.assert_close(torch.cat(chunks), _x(B, 2), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(micro_batches), _x(B, 2), rtol=0, atol=0)
 
 
-def test_chunks_are_views():
+def test_micro_batches_are_views():
     x = _x(B, 3)
-    chunk = split_batch(x, 4)[1]
-    assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    micro_batch = split_batch(x, 4)[1]
+    assert micro_batch.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
 def test_empty_batch_gives_no_micro_batches():
@@ -138,67 +138,67 @@ BATCHES = {
 @pytest.mark.parametrize("micro", [1, 3, 4, 10])
 def test_round_trip(name: str, micro: int):
     batch = BATCHES[name]
-    chunks = split_batch(batch, micro)
-    assert len(chunks) == num_micro_batches(B, micro)
-    for chunk in chunks:
-        assert type(chunk) is type(batch)
-    _assert_same(_concat(chunks), batch)
+    micro_batches = split_batch(batch, micro)
+    assert len(micro_batches) == num_micro_batches(B, micro)
+    for micro_batch in micro_batches:
+        assert type(micro_batch) is type(batch)
+    _assert_same(_concat(micro_batches), batch)
 
 
 def test_namedtuple_keeps_its_type_and_fields():
-    chunks = split_batch(Pair(_x(B, 2), _x(B)), 6)
-    assert [type(c) for c in chunks] == [Pair, Pair]
-    assert chunks[1].y.tolist() == [6.0, 7.0, 8.0, 9.0]
+    micro_batches = split_batch(Pair(_x(B, 2), _x(B)), 6)
+    assert [type(c) for c in micro_batches] == [Pair, Pair]
+    assert micro_batches[1].y.tolist() == [6.0, 7.0, 8.0, 9.0]
 
 
 def test_userdict_subclass_keeps_its_type_and_attributes():
     batch = Encoding({"input_ids": _x(B, 5), "attention_mask": _x(B, 5)}, tensor_type="pt")
-    chunks = split_batch(batch, 4)
-    assert [type(c) for c in chunks] == [Encoding] * 3
-    assert [c.tensor_type for c in chunks] == ["pt"] * 3
-    assert [c["input_ids"].shape[0] for c in chunks] == [4, 4, 2]
+    micro_batches = split_batch(batch, 4)
+    assert [type(c) for c in micro_batches] == [Encoding] * 3
+    assert [c.tensor_type for c in micro_batches] == ["pt"] * 3
+    assert [c["input_ids"].shape[0] for c in micro_batches] == [4, 4, 2]
     assert batch["input_ids"].shape[0] == B, "the input must not be modified"
-    _assert_same(_concat(chunks), dict(batch))
+    _assert_same(_concat(micro_batches), dict(batch))
 
 
 def test_defaultdict_keeps_its_default_factory():
     batch: defaultdict[str, Any] = defaultdict(list, x=_x(B))
-    chunks = split_batch(batch, 5)
-    assert all(type(c) is defaultdict and c.default_factory is list for c in chunks)
-    assert chunks[0]["missing"] == []
+    micro_batches = split_batch(batch, 5)
+    assert all(type(c) is defaultdict and c.default_factory is list for c in micro_batches)
+    assert micro_batches[0]["missing"] == []
 
 
 def test_dataclass_fields_are_cut_including_those_outside_init():
-    chunks = split_batch(Batch(x=_x(B, 2), y=_x(B)), 4)
-    assert [type(c) for c in chunks] == [Batch] * 3
-    assert [c.x.shape[0] for c in chunks] == [4, 4, 2]
-    assert [c.note for c in chunks] == ["train"] * 3
-    # n_tokens is derived in __post_init__, which runs again on each chunk's x.
-    assert [int(c.n_tokens) for c in chunks] == [8, 8, 4]
+    micro_batches = split_batch(Batch(x=_x(B, 2), y=_x(B)), 4)
+    assert [type(c) for c in micro_batches] == [Batch] * 3
+    assert [c.x.shape[0] for c in micro_batches] == [4, 4, 2]
+    assert [c.note for c in micro_batches] == ["train"] * 3
+    # n_tokens is derived in __post_init__, which runs again on each micro-batch's x.
+    assert [int(c.n_tokens) for c in micro_batches] == [8, 8, 4]
 
 
 def test_frozen_dataclass():
     batch = FrozenBatch(x=_x(B), texts=list("abcdefghij"))
-    chunks = split_batch(batch, 3)
-    assert [c.texts for c in chunks] == [list("abc"), list("def"), list("ghi"), ["j"]]
-    assert [type(c) for c in chunks] == [FrozenBatch] * 4
+    micro_batches = split_batch(batch, 3)
+    assert [c.texts for c in micro_batches] == [list("abc"), list("def"), list("ghi"), ["j"]]
+    assert [type(c) for c in micro_batches] == [FrozenBatch] * 4
 
 
 def test_shared_entries_are_replicated_not_copied():
     scale = torch.tensor(0.5)
     config = ["a", "b"]  # a list whose length is not the batch size: configuration, not per-sample data
     batch = {"x": _x(B), "scale": scale, "config": config, "lr": 0.1, "name": "step", "none": None}
-    for chunk in split_batch(batch, 4):
-        assert chunk["scale"] is scale
-        assert chunk["config"] is config
-        assert (chunk["lr"], chunk["name"], chunk["none"]) == (0.1, "step", None)
+    for micro_batch in split_batch(batch, 4):
+        assert micro_batch["scale"] is scale
+        assert micro_batch["config"] is config
+        assert (micro_batch["lr"], micro_batch["name"], micro_batch["none"]) == (0.1, "step", None)
 
 
 def test_per_sample_python_lists_are_cut():
     batch = {"x": _x(B), "ids": list(range(B)), "words": tuple("abcdefghij")}
-    chunks = split_batch(batch, 4)
-    assert [c["ids"] for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert chunks[2]["words"] == ("i", "j")
+    micro_batches = split_batch(batch, 4)
+    assert [c["ids"] for c in micro_batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert micro_batches[2]["words"] == ("i", "j")
 
 
 def test_numpy_arrays_are_cut_like_tensors():
@@ -290,11 +290,11 @@ def _zipped(n: int = B, n_boxes: int | None = None) -> tuple[tuple[Any, ...], tu
     return tuple(zip(*_samples(n, n_boxes), strict=True))  # type: ignore[return-value]
 
 
-def _ids(chunk: Any) -> list[int]:
-    """The sample ids in a chunk of any of the detection forms (every tensor of sample i is filled with i)."""
-    if isinstance(chunk, list) and chunk and isinstance(chunk[0], tuple):
-        return [int(image[0, 0, 0]) for image, _ in chunk]
-    images, targets = chunk
+def _ids(micro_batch: Any) -> list[int]:
+    """The sample ids in a micro-batch of any of the detection forms (every tensor of sample i is filled with i)."""
+    if isinstance(micro_batch, list) and micro_batch and isinstance(micro_batch[0], tuple):
+        return [int(image[0, 0, 0]) for image, _ in micro_batch]
+    images, targets = micro_batch
     ids = [int(image[0, 0, 0]) for image in images]
     assert ids == [int(t["labels"][0]) for t in targets]
     return ids
@@ -316,26 +316,28 @@ def test_detection_batches_are_cut_by_sample(form: str, n_boxes: int | None, n: 
     # batch dimension, and neither may the channels when the batch has 3 images.
     batch = DETECTION_FORMS[form](n, n_boxes)
     assert batch_size_of(batch) == n
-    chunks = split_batch(batch, micro)
-    assert [_ids(c) for c in chunks] == [list(range(s, min(s + micro, n))) for s in range(0, n, micro)]
-    for chunk in chunks:
-        assert type(chunk) is type(batch)
-        assert batch_size_of(chunk) == len(_ids(chunk))
+    micro_batches = split_batch(batch, micro)
+    assert [_ids(c) for c in micro_batches] == [list(range(s, min(s + micro, n))) for s in range(0, n, micro)]
+    for micro_batch in micro_batches:
+        assert type(micro_batch) is type(batch)
+        assert batch_size_of(micro_batch) == len(_ids(micro_batch))
 
 
 def test_detection_targets_keep_their_boxes_whole():
     batch = _zipped(6)
-    chunks = split_batch(batch, 4)
-    assert [t["boxes"].shape[0] for t in chunks[1][1]] == [1, 2]  # samples 4 and 5: boxes are never cut
-    assert all(a is b for a, b in zip(chunks[0][1] + chunks[1][1], batch[1], strict=True))  # the same dicts
+    micro_batches = split_batch(batch, 4)
+    assert [t["boxes"].shape[0] for t in micro_batches[1][1]] == [1, 2]  # samples 4 and 5: boxes are never cut
+    assert all(
+        a is b for a, b in zip(micro_batches[0][1] + micro_batches[1][1], batch[1], strict=True)
+    )  # the same dicts
 
 
 def test_per_sample_dicts_under_a_batched_tensor_are_cut_by_entry_even_when_box_counts_equal_the_batch_size():
     # Each of the 4 images has 4 boxes: cutting the boxes' rows would also "fit", but the list holds one dict per image.
     batch = {"images": torch.zeros(4, 3, 8, 8), "targets": [_target(i, n_boxes=4) for i in range(4)]}
-    chunks = split_batch(batch, 2)
-    assert [[int(t["labels"][0]) for t in c["targets"]] for c in chunks] == [[0, 1], [2, 3]]
-    assert all(t["boxes"].shape == (4, 4) for c in chunks for t in c["targets"])
+    micro_batches = split_batch(batch, 2)
+    assert [[int(t["labels"][0]) for t in c["targets"]] for c in micro_batches] == [[0, 1], [2, 3]]
+    assert all(t["boxes"].shape == (4, 4) for c in micro_batches for t in c["targets"])
 
 
 def test_a_list_of_per_sample_dicts_is_a_batch_of_samples():
@@ -359,9 +361,9 @@ def test_fields_of_equal_shape_stay_fields():
 
 def test_a_0_dim_tensor_first_does_not_set_the_batch_size():
     batch = {"temperature": torch.tensor(0.5), "x": _x(B, 2), "y": _x(B)}
-    chunks = split_batch(batch, 4)
-    assert [c["x"].shape[0] for c in chunks] == [4, 4, 2]
-    assert all(c["temperature"] is batch["temperature"] for c in chunks)
+    micro_batches = split_batch(batch, 4)
+    assert [c["x"].shape[0] for c in micro_batches] == [4, 4, 2]
+    assert all(c["temperature"] is batch["temperature"] for c in micro_batches)
 
 
 def test_a_known_batch_size_chooses_the_reading():
@@ -369,8 +371,8 @@ def test_a_known_batch_size_chooses_the_reading():
     # Read alone it is 2 samples; a batch size of 6 from a hook makes it 2 fields.
     batches = [(_x(6, 2), _x(6)), (_x(6, 2), _x(6))]
     assert batch_size_of(batches) == 2
-    chunks = split_batch(batches, 4, batch_size=6)
-    assert [[part[0].shape[0] for part in c] for c in chunks] == [[4, 4], [2, 2]]
+    micro_batches = split_batch(batches, 4, batch_size=6)
+    assert [[part[0].shape[0] for part in c] for c in micro_batches] == [[4, 4], [2, 2]]
     with pytest.raises(ValueError, match=r"batch size 5.*`batch_size=`"):
         split_batch(batches, 4, batch_size=5)
 
@@ -390,8 +392,8 @@ def test_a_batch_with_two_readings_of_equal_standing_is_refused():
     + [_samples(), _zipped(), {"x": _x(B), "ids": list(range(B))}, {"s": torch.tensor(1.0), "x": _x(B, 2)}],
 )
 def test_batch_size_of_and_split_batch_agree(batch: Any):
-    chunks = split_batch(batch, 3)
-    assert sum(batch_size_of(c) for c in chunks) == batch_size_of(batch) == B
+    micro_batches = split_batch(batch, 3)
+    assert sum(batch_size_of(c) for c in micro_batches) == batch_size_of(batch) == B
 
 
 class Custom:

@@ -1,7 +1,9 @@
-"""How much memory a device has and how much a step used: one small backend per device type.
+"""How much memory a device has and how much a step used: one backend per kind of memory accounting.
 
 Every backend answers the same six questions (`MemoryBackend`) so that the planner and the monitor never
-branch on the device. Nothing here synchronizes a device beyond what the underlying ``torch.<device>`` call does.
+branch on the device. CUDA and XPU share one implementation, `DeviceBackend`, over ``torch.get_device_module``;
+the CPU (the process's resident set) and MPS (no peak counter) have their own. Nothing here synchronizes a device
+beyond what the underlying ``torch.<device>`` call does.
 
 What "peak" means differs by device, and the metric docs say so:
 
@@ -23,7 +25,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lightning_accum._validation import check_int
+
 _KIB = 1024
+# The device types `DeviceBackend` serves, as its messages name them.
+_ALLOCATOR_DEVICES = {"cuda": "a CUDA device", "xpu": "an XPU device"}
+# `memory/peak_reserved_gib` is promised for CUDA only (docs/wandb.md), though torch.xpu keeps the figure too.
+_RESERVED_PEAK_TYPES = ("cuda",)
 # A cgroup limit at or above this is the kernel's way of saying "no limit" (v1 writes PAGE_COUNTER_MAX pages).
 _NO_LIMIT = 1 << 60
 
@@ -63,94 +71,112 @@ class MemoryBackend(Protocol):
         ...
 
 
-class CUDABackend:
-    """Peak *allocated* memory of one CUDA device, from PyTorch's caching allocator statistics.
+class DeviceBackend:
+    """Peak *allocated* memory of one accelerator with a caching allocator (CUDA, XPU), through its torch module.
+
+    Every call goes through ``torch.get_device_module(device)`` (``torch.cuda``, ``torch.xpu``), which offers the
+    same memory API for each; with no device, ``torch.accelerator`` names the current one. A call the module lacks
+    (an older torch) falls back: no peak reset, the current allocation as the peak, no reserved peak, no allocator
+    retries. The reserved peak is reported on CUDA only.
 
     Args:
-        device: the CUDA device; ``cuda`` without an index means the current device.
+        device: the device; without an index it means the current device of its type. ``None`` means the current
+            accelerator (``torch.accelerator``). An int is an index on this class's device type.
+        device_module: the module to ask instead of ``torch.get_device_module(device)``, e.g. a fake in tests.
+
+    Raises:
+        ValueError: the device type has no caching allocator (supported: cuda, xpu), or it is not this class's.
+        TypeError: ``device`` is not a torch.device, a str, an int or ``None``.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> fake = SimpleNamespace(memory_allocated=lambda index: 1024, current_device=lambda: 0)
+        >>> backend = DeviceBackend("cuda:1", device_module=fake)
+        >>> backend.name, backend.current_bytes(), backend.peak_bytes(), backend.peak_reserved_bytes(), backend
+        ('cuda', 1024, 1024, None, DeviceBackend(device=cuda:1))
+    """
+
+    device_type: str | None = None  # the one type a subclass serves; None: whatever `device` says
+
+    def __init__(self, device: torch.device | str | int | None = None, *, device_module: Any = None) -> None:
+        device = self._resolve(device)
+        self.name: str = device.type
+        # Resolved lazily: asking for the current device initializes CUDA, which a constructor should not do.
+        self._index = device.index
+        self._module = _device_module(device.type) if device_module is None else device_module
+
+    @classmethod
+    def _resolve(cls, device: torch.device | str | int | None) -> torch.device:
+        device_type = cls.device_type
+        if device_type is None and (device is None or isinstance(device, int)):
+            device_type = _current_accelerator_type()
+            if device_type is None:
+                raise ValueError(
+                    f"`device={device!r}` means the current accelerator, but torch finds none. Pass the device, e.g."
+                    " 'cuda:0', or use `backend_for(device)`, which also serves the CPU."
+                )
+        device = torch.device(device_type) if device is None else _as_device(device, default_type=device_type or "")
+        if device.type not in _ALLOCATOR_DEVICES or cls.device_type not in (None, device.type):
+            wanted = _ALLOCATOR_DEVICES.get(cls.device_type or "", "a device with a caching allocator (cuda, xpu)")
+            raise ValueError(f"`device` must be {wanted} for {cls.__name__}, got {device}. Use `backend_for(device)`.")
+        return device
+
+    @property
+    def index(self) -> int:
+        return int(self._module.current_device()) if self._index is None else self._index
+
+    def _call(self, name: str, default: Any) -> Any:
+        fn = getattr(self._module, name, None)
+        return default if fn is None else fn(self.index)
+
+    def reset_peak(self) -> None:
+        self._call("reset_peak_memory_stats", None)
+
+    def current_bytes(self) -> int:
+        return int(self._call("memory_allocated", 0))
+
+    def peak_bytes(self) -> int:
+        peak = self._call("max_memory_allocated", None)
+        return self.current_bytes() if peak is None else int(peak)
+
+    def peak_reserved_bytes(self) -> int | None:
+        if self.name not in _RESERVED_PEAK_TYPES:
+            return None
+        peak = self._call("max_memory_reserved", None)
+        return None if peak is None else int(peak)
+
+    def capacity_bytes(self) -> int:
+        properties = getattr(self._module, "get_device_properties", None)
+        if properties is not None:
+            return int(properties(self.index).total_memory)
+        _, total = self._module.mem_get_info(self.index)
+        return int(total)
+
+    def alloc_retries(self) -> int:
+        return int(self._call("memory_stats", {}).get("num_alloc_retries", 0))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.name}:{'current' if self._index is None else self._index})"
+
+
+class CUDABackend(DeviceBackend):
+    """`DeviceBackend` on a CUDA device (``cuda`` without an index: the current one).
 
     Raises:
         ValueError: if ``device`` is not a CUDA device.
     """
 
-    name = "cuda"
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        device = torch.device("cuda") if device is None else _as_device(device, default_type="cuda")
-        if device.type != "cuda":
-            raise ValueError(
-                f"`device` must be a CUDA device for CUDABackend, got {device}. Use `backend_for(device)`."
-            )
-        # Resolved lazily: asking for the current device initializes CUDA, which a constructor should not do.
-        self._index = device.index
-
-    @property
-    def index(self) -> int:
-        return torch.cuda.current_device() if self._index is None else self._index
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.index)
-
-    def peak_bytes(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.index))
-
-    def peak_reserved_bytes(self) -> int | None:
-        return int(torch.cuda.max_memory_reserved(self.index))
-
-    def capacity_bytes(self) -> int:
-        return int(torch.cuda.get_device_properties(self.index).total_memory)
-
-    def alloc_retries(self) -> int:
-        return int(torch.cuda.memory_stats(self.index).get("num_alloc_retries", 0))
-
-    def current_bytes(self) -> int:
-        return int(torch.cuda.memory_allocated(self.index))
-
-    def __repr__(self) -> str:
-        return f"CUDABackend(device=cuda:{self._index if self._index is not None else 'current'})"
+    device_type = "cuda"
 
 
-class XPUBackend:
-    """Peak allocated memory of one Intel XPU device (best effort: it uses whatever ``torch.xpu`` exposes).
+class XPUBackend(DeviceBackend):
+    """`DeviceBackend` on an Intel XPU device (``xpu`` without an index: the current one).
 
-    Args:
-        device: the XPU device; ``xpu`` without an index means the current device.
+    Raises:
+        ValueError: if ``device`` is not an XPU device.
     """
 
-    name = "xpu"
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        device = torch.device("xpu") if device is None else _as_device(device, default_type="xpu")
-        if device.type != "xpu":
-            raise ValueError(f"`device` must be an XPU device for XPUBackend, got {device}. Use `backend_for(device)`.")
-        self._index = device.index
-
-    @property
-    def index(self) -> int:
-        return torch.xpu.current_device() if self._index is None else self._index
-
-    def reset_peak(self) -> None:
-        fn = getattr(torch.xpu, "reset_peak_memory_stats", None)
-        if fn is not None:
-            fn(self.index)
-
-    def peak_bytes(self) -> int:
-        fn = getattr(torch.xpu, "max_memory_allocated", None)
-        return int(fn(self.index)) if fn is not None else self.current_bytes()
-
-    def peak_reserved_bytes(self) -> int | None:
-        return None
-
-    def capacity_bytes(self) -> int:
-        return int(torch.xpu.get_device_properties(self.index).total_memory)
-
-    def alloc_retries(self) -> int:
-        fn = getattr(torch.xpu, "memory_stats", None)
-        return int(fn(self.index).get("num_alloc_retries", 0)) if fn is not None else 0
-
-    def current_bytes(self) -> int:
-        fn = getattr(torch.xpu, "memory_allocated", None)
-        return int(fn(self.index)) if fn is not None else 0
+    device_type = "xpu"
 
 
 class MPSBackend:
@@ -209,15 +235,17 @@ class CPUBackend:
         cgroup_root: where the cgroup file systems are mounted.
 
     Raises:
-        ValueError: if ``capacity_bytes`` is not a positive int.
+        TypeError: if ``capacity_bytes`` is not an int or None.
+        ValueError: if ``capacity_bytes < 1``.
 
     Examples:
         >>> backend = CPUBackend()
         >>> backend.reset_peak()
         >>> backend.peak_bytes() >= backend.current_bytes() > 0
         True
-        >>> CPUBackend(capacity_bytes=2**30).capacity_bytes()
-        1073741824
+        >>> from lightning_accum.memory.budget import GIB
+        >>> CPUBackend(capacity_bytes=8 * GIB).capacity_bytes() == 8 * GIB
+        True
     """
 
     name = "cpu"
@@ -229,12 +257,8 @@ class CPUBackend:
         proc_dir: str = "/proc/self",
         cgroup_root: str = "/sys/fs/cgroup",
     ) -> None:
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
-        ):
-            raise ValueError(
-                f"`capacity_bytes` must be a positive int (bytes) or None to detect it, got {capacity_bytes!r}."
-            )
+        if capacity_bytes is not None:
+            check_int(capacity_bytes, "capacity_bytes", 1, alternative="None to detect it")
         self._capacity = capacity_bytes
         self._proc_dir = proc_dir
         self._cgroup_root = cgroup_root
@@ -343,6 +367,20 @@ def backend_for(device: torch.device | str) -> MemoryBackend:
         f"`device` of type {device.type!r} has no memory backend (got {device}); supported: cuda, cpu, mps, xpu."
         " Pass a `MemoryBackend` of your own where the API accepts one."
     )
+
+
+def _device_module(device_type: str) -> Any:
+    # `torch.get_device_module` arrived in torch 2.3; before it, `torch.<type>` is the same module.
+    get_device_module = getattr(torch, "get_device_module", None)
+    return getattr(torch, device_type) if get_device_module is None else get_device_module(device_type)
+
+
+def _current_accelerator_type() -> str | None:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return None if current is None else str(current.type)
+    return next((t for t in _ALLOCATOR_DEVICES if hasattr(torch, t) and getattr(torch, t).is_available()), None)
 
 
 def _as_device(device: torch.device | str | int, default_type: str) -> torch.device:

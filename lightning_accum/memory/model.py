@@ -14,25 +14,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from lightning_accum._validation import check_int, check_number
+
 _STATE_VERSION = 1
-
-
-def _check_size(value: Any, name: str) -> int:
-    # bool is an int subclass; `True` as a batch size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    return value
-
-
-def _check_bytes(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number of bytes, got {value!r} of type {type(value).__name__}.")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"`{name}` must be a finite number of bytes >= 0, got {value!r}.")
-    return value
 
 
 class LinearPeakModel:
@@ -71,9 +55,7 @@ class LinearPeakModel:
     """
 
     def __init__(self, max_sizes: int = 16) -> None:
-        self.max_sizes = _check_size(max_sizes, "max_sizes")
-        if self.max_sizes < 2:
-            raise ValueError(f"`max_sizes` must be >= 2 to fit a line, got {max_sizes!r}.")
+        self.max_sizes = check_int(max_sizes, "max_sizes", 2, hint="A line needs two sizes to fit.")
         # micro-batch size -> most recent peak; dict order is recency order (oldest first).
         self._peaks: dict[int, float] = {}
         self._fit: tuple[float, float] | None = None
@@ -82,8 +64,8 @@ class LinearPeakModel:
 
     def observe(self, micro_batch_size: int, peak_bytes: float) -> None:
         """Record the peak measured for one micro-batch size, replacing any earlier peak for that size."""
-        b = _check_size(micro_batch_size, "micro_batch_size")
-        peak = _check_bytes(peak_bytes, "peak_bytes")
+        b = check_int(micro_batch_size, "micro_batch_size", 1)
+        peak = check_number(peak_bytes, "peak_bytes", 0, kind="number of bytes")
         self._peaks.pop(b, None)  # re-insert so that the dict order stays recency order
         self._peaks[b] = peak
         while len(self._peaks) > self.max_sizes:
@@ -141,7 +123,7 @@ class LinearPeakModel:
         Raises:
             RuntimeError: if the model is not fitted yet.
         """
-        b = _check_size(micro_batch_size, "micro_batch_size")
+        b = check_int(micro_batch_size, "micro_batch_size", 1)
         fixed, per_sample = self._require_fit("predict")
         return fixed + per_sample * b
 
@@ -151,8 +133,8 @@ class LinearPeakModel:
         Raises:
             RuntimeError: if the model is not fitted yet.
         """
-        budget = _check_bytes(budget_bytes, "budget_bytes")
-        upper = _check_size(upper, "upper")
+        budget = check_number(budget_bytes, "budget_bytes", 0, kind="number of bytes")
+        upper = check_int(upper, "upper", 1)
         fixed, per_sample = self._require_fit("largest_fitting")
         if fixed + per_sample > budget:
             return None
@@ -184,7 +166,7 @@ class LinearPeakModel:
             raise ValueError("`observations` must hold at least one (micro_batch_size, peak_bytes) pair, got none.")
         errors = []
         for b, peak in pairs:
-            peak = _check_bytes(peak, "peak_bytes")
+            peak = check_number(peak, "peak_bytes", 0, kind="number of bytes")
             if peak == 0:
                 raise ValueError(
                     f"`observations` holds a peak of 0 bytes for micro-batch size {b}; a relative error is undefined "
@@ -209,7 +191,7 @@ class LinearPeakModel:
             >>> b.predict(3)
             14.0
         """
-        self.max_sizes = _check_size(state.get("max_sizes", self.max_sizes), "state['max_sizes']")
+        self.max_sizes = check_int(state.get("max_sizes", self.max_sizes), "state['max_sizes']", 2)
         self._peaks = {}
         self._fit = None
         for b, peak in state.get("peaks", []):

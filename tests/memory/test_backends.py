@@ -5,21 +5,24 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_accum.memory import (
+from lightning_accum.memory.backends import (
     CPUBackend,
     CUDABackend,
+    DeviceBackend,
     MemoryBackend,
     MPSBackend,
     XPUBackend,
     backend_for,
 )
+from lightning_accum.memory.budget import GIB
 
 MiB = 2**20
-GiB = 2**30
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -87,7 +90,7 @@ def test_cpu_capacity_is_positive_and_at_most_physical_memory():
 
 
 def test_cpu_capacity_respects_rlimit_as_in_a_subprocess():
-    limit = 7 * GiB + 3 * MiB  # an odd number, so it can't come from anywhere else
+    limit = 7 * GIB + 3 * MiB  # an odd number, so it can't come from anywhere else
     script = textwrap.dedent(
         f"""
         import resource
@@ -120,20 +123,20 @@ def _fake_cgroups(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> CP
 @pytest.mark.parametrize(
     ("proc_cgroup", "files", "expected"),
     [
-        pytest.param("0::/job\n", {"memory.max": "max\n", "job/memory.max": f"{GiB}\n"}, GiB, id="v2-own-cgroup"),
-        pytest.param("0::/job/step\n", {"job/memory.max": f"{2 * GiB}\n"}, 2 * GiB, id="v2-parent-limit"),
+        pytest.param("0::/job\n", {"memory.max": "max\n", "job/memory.max": f"{GIB}\n"}, GIB, id="v2-own-cgroup"),
+        pytest.param("0::/job/step\n", {"job/memory.max": f"{2 * GIB}\n"}, 2 * GIB, id="v2-parent-limit"),
         # Containers mount their own cgroup as the root, so /proc/self/cgroup names a path that isn't there.
-        pytest.param("0::/elsewhere\n", {"memory.max": f"{3 * GiB}\n"}, 3 * GiB, id="v2-namespace-root"),
+        pytest.param("0::/elsewhere\n", {"memory.max": f"{3 * GIB}\n"}, 3 * GIB, id="v2-namespace-root"),
         pytest.param(
             "4:memory:/a\n",
-            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/a/memory.limit_in_bytes": f"{GiB}\n"},
-            GiB,
+            {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/a/memory.limit_in_bytes": f"{GIB}\n"},
+            GIB,
             id="v1-huge-root-ignored",
         ),
         pytest.param(
             "4:cpu,memory:/a\n0::/\n",
-            {"memory/a/memory.limit_in_bytes": f"{2 * GiB}\n", "memory.max": f"{GiB}\n"},
-            GiB,
+            {"memory/a/memory.limit_in_bytes": f"{2 * GIB}\n", "memory.max": f"{GIB}\n"},
+            GIB,
             id="v1-and-v2-smallest-wins",
         ),
     ],
@@ -149,12 +152,14 @@ def test_cpu_capacity_without_cgroup_limit_is_physical_or_rlimit(tmp_path: Path)
 
 
 def test_cpu_capacity_override():
-    assert CPUBackend(capacity_bytes=3 * GiB).capacity_bytes() == 3 * GiB
+    assert CPUBackend(capacity_bytes=3 * GIB).capacity_bytes() == 3 * GIB
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GiB"])
-def test_cpu_capacity_override_is_validated(bad: object):
-    with pytest.raises(ValueError, match=r"`capacity_bytes` must be a positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("1GiB", TypeError)]
+)
+def test_cpu_capacity_override_is_validated(bad: object, error: type[Exception]):
+    with pytest.raises(error, match=r"`capacity_bytes` must be an int >= 1 or None to detect it, got"):
         CPUBackend(capacity_bytes=bad)  # type: ignore[arg-type]
 
 
@@ -203,9 +208,123 @@ def test_backend_for_wrong_type():
         backend_for(1.5)  # type: ignore[arg-type]
 
 
-def test_cuda_backend_refuses_another_device_type():
-    with pytest.raises(ValueError, match=r"`device` must be a CUDA device for CUDABackend, got cpu"):
-        CUDABackend("cpu")
+@pytest.mark.parametrize(
+    ("cls", "device", "match"),
+    [
+        (CUDABackend, "cpu", r"`device` must be a CUDA device for CUDABackend, got cpu"),
+        (CUDABackend, "xpu:0", r"`device` must be a CUDA device for CUDABackend, got xpu:0"),
+        (XPUBackend, "cuda", r"`device` must be an XPU device for XPUBackend, got cuda"),
+        (DeviceBackend, "mps", r"`device` must be a device with a caching allocator \(cuda, xpu\) for DeviceBackend"),
+    ],
+)
+def test_device_backends_refuse_other_device_types(cls: type, device: str, match: str):
+    with pytest.raises(ValueError, match=match):
+        cls(device)
+
+
+# ---- CUDA and XPU through a fake device module ----------------------------------------------------------------------
+
+
+class FakeDeviceModule:
+    """The memory calls of ``torch.cuda`` / ``torch.xpu``, answering from plain numbers and recording the indexes."""
+
+    def __init__(self, current: int = 0, missing: tuple[str, ...] = ()) -> None:
+        self.current = current
+        self.missing = missing  # calls this module lacks, as in an older torch
+        self.asked: list[tuple[str, int]] = []
+        self.answers: dict[str, Any] = {
+            "memory_allocated": 3 * MiB,
+            "max_memory_allocated": 5 * MiB,
+            "max_memory_reserved": 8 * MiB,
+            "reset_peak_memory_stats": None,
+            "memory_stats": {"num_alloc_retries": 2},
+            "get_device_properties": SimpleNamespace(total_memory=80 * GIB),
+            "mem_get_info": (48 * GIB, 64 * GIB),  # (free, total)
+        }
+
+    def current_device(self) -> int:
+        return self.current
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.missing or name not in self.answers:
+            raise AttributeError(name)
+
+        def call(index: int) -> Any:
+            self.asked.append((name, index))
+            if name == "reset_peak_memory_stats":
+                self.answers["max_memory_allocated"] = self.answers["memory_allocated"]
+            return self.answers[name]
+
+        return call
+
+
+@pytest.mark.parametrize("cls", [CUDABackend, XPUBackend])
+def test_device_backend_asks_the_device_module_of_its_device(cls: type[DeviceBackend]):
+    fake = FakeDeviceModule()
+    backend = cls(f"{cls.device_type}:1", device_module=fake)
+    assert isinstance(backend, MemoryBackend) and backend.name == cls.device_type
+    assert fake.asked == []  # constructing asks nothing (CUDA would initialise)
+    figures = (backend.current_bytes(), backend.peak_bytes(), backend.peak_reserved_bytes())
+    # The reserved peak is part of the metrics contract on CUDA only (docs/wandb.md).
+    assert figures == (3 * MiB, 5 * MiB, 8 * MiB if cls is CUDABackend else None)
+    assert (backend.capacity_bytes(), backend.alloc_retries()) == (80 * GIB, 2)
+    backend.reset_peak()
+    assert backend.peak_bytes() == 3 * MiB
+    assert {index for _, index in fake.asked} == {1}
+    assert repr(backend) == f"{cls.__name__}(device={cls.device_type}:1)"
+
+
+def test_device_backend_without_an_index_follows_the_current_device():
+    fake = FakeDeviceModule(current=2)
+    backend = CUDABackend("cuda", device_module=fake)
+    backend.current_bytes()
+    fake.current = 3
+    backend.current_bytes()
+    assert fake.asked == [("memory_allocated", 2), ("memory_allocated", 3)]
+    assert repr(backend) == "CUDABackend(device=cuda:current)"
+
+
+@pytest.mark.parametrize("cls", [CUDABackend, XPUBackend])
+def test_device_backend_falls_back_where_the_module_lacks_a_call(cls: type[DeviceBackend]):
+    missing = ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "memory_stats")
+    fake = FakeDeviceModule(missing=(*missing, "get_device_properties"))
+    backend = cls(0, device_module=fake)
+    backend.reset_peak()  # nothing to reset
+    assert backend.peak_bytes() == backend.current_bytes() == 3 * MiB
+    assert backend.peak_reserved_bytes() is None
+    assert backend.alloc_retries() == 0
+    assert backend.capacity_bytes() == 64 * GIB  # the total of mem_get_info
+    assert [name for name, _ in fake.asked] == ["memory_allocated", "memory_allocated", "mem_get_info"]
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "xpu"])
+def test_device_backend_uses_torchs_own_module_by_default(device_type: str):
+    backend = backend_for(device_type)
+    assert backend._module is torch.get_device_module(device_type)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "xpu"])
+def test_device_backend_before_torch_had_get_device_module(monkeypatch: pytest.MonkeyPatch, device_type: str):
+    monkeypatch.delattr(torch, "get_device_module")  # torch < 2.3, which the package still supports
+    assert backend_for(device_type)._module is getattr(torch, device_type)  # type: ignore[attr-defined]
+
+
+def test_generic_device_backend_takes_the_type_from_the_device():
+    fake = FakeDeviceModule()
+    backend = DeviceBackend(torch.device("xpu", 0), device_module=fake)
+    assert (type(backend), backend.name, backend.current_bytes()) == (DeviceBackend, "xpu", 3 * MiB)
+
+
+def test_generic_device_backend_without_a_device_needs_an_accelerator(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    with pytest.raises(ValueError, match=r"`device=None` means the current accelerator, but torch finds none"):
+        DeviceBackend()
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    assert DeviceBackend(1, device_module=FakeDeviceModule()).name == "cuda"
+    monkeypatch.delattr(torch, "accelerator")  # torch < 2.6: the first available device type
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    assert DeviceBackend(device_module=FakeDeviceModule()).name == "xpu"
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------------------------

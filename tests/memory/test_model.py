@@ -135,7 +135,7 @@ def test_load_state_dict_accepts_an_empty_state():
         (lambda m: m.observe(True, 1.0), TypeError, r"`micro_batch_size` must be an int >= 1, got True of type bool"),
         (lambda m: m.observe(2, -5.0), ValueError, r"`peak_bytes` must be a finite number of bytes >= 0, got -5.0"),
         (lambda m: m.observe(2, math.nan), ValueError, r"`peak_bytes` must be a finite number"),
-        (lambda m: m.observe(2, "1GB"), TypeError, r"`peak_bytes` must be a number of bytes, got '1GB'"),
+        (lambda m: m.observe(2, "1GB"), TypeError, r"`peak_bytes` must be a finite number of bytes >= 0, got '1GB'"),
     ],
 )
 def test_bad_observations_name_the_argument(call, error, match):
@@ -144,5 +144,5 @@ def test_bad_observations_name_the_argument(call, error, match):
 
 
 def test_max_sizes_must_allow_a_line():
-    with pytest.raises(ValueError, match=r"`max_sizes` must be >= 2 to fit a line, got 1"):
+    with pytest.raises(ValueError, match=r"`max_sizes` must be an int >= 2, got 1\. A line needs two sizes"):
         LinearPeakModel(max_sizes=1)
