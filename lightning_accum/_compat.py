@@ -22,13 +22,13 @@ from typing import Any
 
 import lightning
 import lightning.pytorch as pl
-from lightning_utilities.core.imports import compare_version
+from lightning_utilities.core.imports import RequirementCache
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 SUPPORTED_LIGHTNING = ">=2.2,<2.7"
-_LIGHTNING_OK = compare_version("lightning", lambda a, b: a >= b, "2.2.0") and compare_version(
-    "lightning", lambda a, b: a < b, "2.7.0"
-)
+_LIGHTNING_OK = bool(RequirementCache(f"lightning{SUPPORTED_LIGHTNING}"))
 
 
 def _check_version() -> None:
@@ -263,3 +263,39 @@ def hook_context(module: pl.LightningModule, name: str | None = None) -> Iterato
         yield
     finally:
         module._current_fx_name = previous
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split mode under DDP: torch's reducer, driven by hand (``torch/nn/parallel/distributed.py``, torch 2.1 to 2.13)
+# ---------------------------------------------------------------------------------------------------------------
+def prepare_ddp_backward(model: DistributedDataParallel, loss: Tensor) -> None:
+    """Arm DDP's reducer for a backward whose forward ran under ``no_sync``, as DDP's own forward would have.
+
+    The end of ``DistributedDataParallel.forward`` (``_post_forward`` in ``torch/nn/parallel/distributed.py``) does
+    this when gradients are to be synced; Lightning does the same for manual optimization
+    (``lightning.pytorch.overrides.distributed.prepare_for_backward``). Arming it only after every rank agreed that
+    its forwards succeeded means that an attempt abandoned because of another rank's fault never leaves the reducer
+    expecting a backward: the retry's first micro-batch would otherwise start an all-reduce on this rank alone.
+    """
+    model.require_forward_param_sync = True
+    reducer = model.reducer
+    reducer.prepare_for_forward()  # counts the iteration, as the synced forward would have
+    reducer._rebuild_buckets()  # Lightning: avoids "INTERNAL ASSERT FAILED" with `find_unused_parameters=False`
+    reducer.prepare_for_backward([loss] if model.find_unused_parameters and not model.static_graph else [])
+
+
+def broadcast_ddp_buffers(strategy: Any) -> None:
+    """Do DDP's buffer broadcast (batch-norm statistics, from rank 0) at the start of the step, not in a forward.
+
+    DDP broadcasts buffers at the start of a forward when ``require_forward_param_sync`` is set (after a synced
+    backward), and clears the flag at the end of a forward under ``no_sync``. Inside an attempt that collective is a
+    trap: a rank that fails before its first forward leaves the others alone in the broadcast, and a rank whose
+    forward raised keeps the flag and alone broadcasts again at the retry. Here, before anything can fail, every rank
+    is at the same point; with the flag cleared, no forward of the step broadcasts.
+    """
+    model = getattr(strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or getattr(strategy, "world_size", 1) <= 1:
+        return
+    if model.will_sync_module_buffers():
+        model._sync_buffers()
+    model.require_forward_param_sync = False

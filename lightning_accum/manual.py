@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -36,9 +37,11 @@ class ManualAccumulation:
     step. The epoch's last batch always completes a window.
 
     Args:
-        accumulation_steps: ``k`` as an int, a ``{epoch: k}`` mapping, or a schedule object.
+        schedule: ``k`` as an int, a ``{epoch: k}`` mapping, or a schedule object (as for
+            `lightning_accum.AccumulationScheduler`).
         count_items: counts the items of a micro-batch (default: its samples).
         loss_reduction: whether the loss passed in is the ``"mean"`` or the ``"sum"`` over the micro-batch's items.
+        accumulation_steps: the former name of ``schedule`` (deprecated).
 
     Raises:
         TypeError, ValueError: as for `lightning_accum.AccumulationScheduler`'s ``schedule``.
@@ -67,12 +70,19 @@ class ManualAccumulation:
 
     def __init__(
         self,
-        accumulation_steps: int | Mapping[int, int] | AccumulationSchedule = 1,
+        schedule: int | Mapping[int, int] | AccumulationSchedule = 1,
         *,
         count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
+        accumulation_steps: int | Mapping[int, int] | AccumulationSchedule | None = None,
     ) -> None:
-        self.schedule: AccumulationSchedule = as_schedule(accumulation_steps, "epoch") or ConstantSchedule(1)
+        if accumulation_steps is not None:
+            # The 0.1 name; `schedule` is what `AccumulationScheduler` calls the same thing.
+            rank_zero_deprecation(
+                "`ManualAccumulation(accumulation_steps=...)` is now `schedule=`; the old name goes in 0.3."
+            )
+            schedule = accumulation_steps
+        self.schedule: AccumulationSchedule = as_schedule(schedule, "epoch") or ConstantSchedule(1)
         self.count_items = resolve_counter(count_items)
         self.normalizer = WindowNormalizer(check_loss_reduction(loss_reduction))
         self.last_window: WindowTotals | None = None

@@ -15,13 +15,10 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_accum import keys
+from lightning_accum.memory.budget import GIB
 from lightning_accum.report import AccumulationEvent, EventKind, LossSum, StepReport
 
-BYTES_PER_GIB = 1024**3
-
-# Proposed for lightning_accum.keys (see docs/wandb.md): the memory budget as a fraction of capacity, drawn as the
-# limit line in the "peak fraction" panel. Read from `keys` once it is added there, so the string lives in one place.
-BUDGET_FRACTION: str = getattr(keys, "BUDGET_FRACTION", "memory/budget_fraction")
+BUDGET_FRACTION = keys.BUDGET_FRACTION  # (kept here too: older imports name it from this module)
 
 EVENT_KEY_BY_KIND: dict[EventKind, str] = {
     "schedule_change": keys.EVENT_SCHEDULE_CHANGE,
@@ -39,7 +36,7 @@ def to_gib(n_bytes: float) -> float:
         >>> to_gib(3 * 1024**3)
         3.0
     """
-    return float(n_bytes) / BYTES_PER_GIB
+    return float(n_bytes) / GIB
 
 
 def peak_fraction(peak_bytes: float, capacity_bytes: float) -> float:
@@ -143,24 +140,6 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
         {'events/micro_batch_shrunk': 8.0}
     """
     return {EVENT_KEY_BY_KIND[event.kind]: float(event.after) for event in events}
-
-
-def budget_fraction(max_memory: float | int | None, capacity_bytes: int) -> float:
-    """The budget as a fraction of capacity from ``AutoMicroBatching(max_memory=...)``'s convention.
-
-    ``None`` means no budget (the capacity itself is the limit: 1.0); a float up to 1 is already a fraction; an int
-    is a number of bytes.
-
-    Examples:
-        >>> capacity = 8 * 1024**3
-        >>> budget_fraction(None, capacity), budget_fraction(0.8, capacity), budget_fraction(2 * 1024**3, capacity)
-        (1.0, 0.8, 0.25)
-    """
-    if max_memory is None:
-        return 1.0
-    if isinstance(max_memory, float):
-        return max_memory
-    return peak_fraction(max_memory, capacity_bytes)
 
 
 class WeightedMean(Metric):

@@ -11,6 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+"""`torch.testing.assert_close` tolerances for float32 results that differ only in summation order."""
+
 
 class IndexedDataset(Dataset):
     """Regression samples that carry their own index, so a test can tell which samples a step saw."""

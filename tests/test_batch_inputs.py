@@ -19,6 +19,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching
 from tests.helpers import (
+    FP32,
     IndexedDataset,
     RegressionModel,
     TokenDataset,
@@ -30,9 +31,6 @@ from tests.helpers import (
     replay_reference,
     token_loss,
 )
-
-FP32 = {"rtol": 1e-5, "atol": 1e-6}
-
 
 # ---- a 0-dim tensor first in a dict batch (window mode) -------------------------------------------------------------
 

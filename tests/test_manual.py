@@ -9,9 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import ManualAccumulation
-from tests.helpers import TokenDataset, count_tokens, make_trainer
-
-FP32 = {"rtol": 1e-5, "atol": 1e-6}
+from tests.helpers import FP32, TokenDataset, count_tokens, make_trainer
 
 
 def token_mean_loss(layer: nn.Module, batch) -> torch.Tensor:
@@ -89,3 +87,9 @@ def test_several_optimizers_without_optimizer_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match=r"needs `optimizer=`: this LightningModule has 2 optimizers"):
         make_trainer(tmp_path).fit(Unnamed(2, 2), DataLoader(TokenDataset(8, lengths=[2] * 8), batch_size=4))
+
+
+def test_the_former_argument_name_still_works_with_a_deprecation():
+    with pytest.deprecated_call(match=r"`ManualAccumulation\(accumulation_steps=...\)` is now `schedule=`"):
+        helper = ManualAccumulation(accumulation_steps=3)
+    assert repr(helper.schedule) == repr(ManualAccumulation(schedule=3).schedule) == "ConstantSchedule(3)"

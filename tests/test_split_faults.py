@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_accum import AutoMicroBatching
 from lightning_accum.memory.oom import OOMFault, OOMInjector, oom_error
+from tests.callbacks.test_auto_micro_batching import SplitTokenModel
 from tests.helpers import (
+    FP32,
     TokenDataset,
     assert_grads_close,
     count_tokens,
@@ -27,11 +29,7 @@ from tests.helpers import (
     replay_reference,
     token_loss,
 )
-from tests.test_auto_micro_batching import SplitTokenModel
 from tests.test_ddp import CountAllReduces, ddp_trainer, load_ranks
-
-FP32 = {"rtol": 1e-5, "atol": 1e-6}
-
 
 # ---- issue 9, item 8: the peak after an OOM retry is the retry's own -------------------------------------------------
 

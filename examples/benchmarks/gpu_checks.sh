@@ -12,8 +12,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.i
 # 1. Every GPU-marked test: 16-mixed with GradScaler (window and split mode), a real CUDA OOM recovered exactly,
 #    the CUDA memory backend. addopts is cleared so that doctests of the W&B modules are not imported.
 python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v --timeout=600 \
-    tests/test_accumulation_scheduler.py tests/test_auto_micro_batching.py tests/test_real_oom.py tests/memory \
-    tests/test_probe.py 2>&1 | tee "$out/gpu_tests.log"
+    tests/callbacks tests/test_real_oom.py tests/memory \
+    tests/probe 2>&1 | tee "$out/gpu_tests.log"
 
 # 2. The memory question on the GPU, on the example model (the table for docs/memory.md).
 python3 -m lightning_accum.cli.main probe --model examples.char_lm.model:CharLM \

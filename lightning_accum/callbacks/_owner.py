@@ -16,8 +16,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_accum.items import resolve_counter
-from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer, check_loss_reduction
-from lightning_accum.report import AccumulationEvent, StepReport
+from lightning_accum.normalization import (
+    ItemCounter,
+    LossReduction,
+    WindowNormalizer,
+    WindowTotals,
+    check_loss_reduction,
+)
+from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
 
 log = logging.getLogger("lightning_accum")
@@ -95,6 +101,33 @@ class AccumulationOwner(Callback):
 
     def _publish(self, report: StepReport) -> None:
         self.last_step_report = report
+
+    def _publish_step(
+        self,
+        mode: Mode,
+        micro_batch_size: int,
+        totals: WindowTotals,
+        loss: LossSum,
+        peak_bytes: int | None = None,
+        budget_bytes: float | None = None,
+    ) -> None:
+        """Publish the report of the optimizer step whose window ``totals`` the normalizer just returned."""
+        self._publish(
+            StepReport(
+                mode=mode,
+                micro_batch_size=micro_batch_size,
+                accumulation_steps=self.normalizer.micro_batches,  # this step's, not the plan: a tail is short
+                effective_batch_size=totals.samples,
+                items=totals.items,
+                consumed_samples=self.consumed_samples,
+                oom_retries=self.oom_retries,
+                loss_sum=loss.total,
+                loss_items=loss.items,
+                events=self._take_events(),
+                peak_bytes=peak_bytes,
+                budget_bytes=budget_bytes,
+            )
+        )
 
     def _take_events(self) -> tuple[AccumulationEvent, ...]:
         events, self._pending_events = tuple(self._pending_events), []

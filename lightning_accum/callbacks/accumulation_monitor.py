@@ -17,12 +17,12 @@ from lightning_accum import _compat
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
+from lightning_accum.memory.budget import budget_fraction
 from lightning_accum.monitoring import (
     IntervalTotals,
     LightningWindows,
     StepFigures,
     WeightedMean,
-    budget_fraction,
     event_metrics,
 )
 from lightning_accum.report import StepReport
@@ -269,16 +269,3 @@ class AccumulationMonitor(Callback):
         peak, peak_reserved, capacity = (int(v) for v in max_across_ranks(trainer, local).tolist())
         backend.reset_peak()
         return peak, None if peak_reserved < 0 else peak_reserved, capacity
-
-    # ----------------------------------------------------------------------------------------------------------
-    # checkpointing
-    # ----------------------------------------------------------------------------------------------------------
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # Every figure is per interval and restarts with the run, so only the settings are saved.
-        return {"version": 1, "logging_interval": self.logging_interval}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # The constructor argument wins over the checkpoint: a resumed run may log at a new interval on purpose.
-        return None

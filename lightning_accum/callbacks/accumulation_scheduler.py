@@ -16,7 +16,7 @@ from lightning_accum import _compat
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.normalization import ItemCounter, LossReduction, WindowTotals, count_items
-from lightning_accum.report import AccumulationEvent, LossSum, StepReport
+from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.schedules import (
     AccumulationSchedule,
     ConstantSchedule,
@@ -224,13 +224,8 @@ class AccumulationScheduler(AccumulationOwner):
             # Sample-keyed schedules need the same micro-batch size on every rank, or ranks would disagree on k.
             agreed = max_across_ranks(trainer, torch.tensor([n_samples], dtype=torch.int64))
             self._micro_batch_size = int(agreed.item())
-        progress = Progress(
-            epoch=trainer.current_epoch,
-            optimizer_steps=trainer.global_step,
-            consumed_samples=self.consumed_samples,
-            micro_batch_size=self._micro_batch_size,
-            world_size=trainer.world_size,
-        )
+        epoch, steps, world_size = trainer.current_epoch, trainer.global_step, trainer.world_size
+        progress = Progress(epoch, steps, self.consumed_samples, self._micro_batch_size, world_size)
         k = self._active_schedule.accumulation_steps(progress)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
@@ -275,19 +270,7 @@ class AccumulationScheduler(AccumulationOwner):
         if not self._stepped or self._totals is None:
             return
         totals, self._totals = self._totals, None
-        self._publish(
-            StepReport(
-                mode="window",
-                micro_batch_size=self._micro_batch_size,
-                accumulation_steps=self.normalizer.micro_batches,  # this step's, not the plan: a tail window is short
-                effective_batch_size=totals.samples,
-                items=totals.items,
-                consumed_samples=self.consumed_samples,
-                loss_sum=self._window_loss.total,
-                loss_items=self._window_loss.items,
-                events=self._take_events(),
-            )
-        )
+        self._publish_step("window", self._micro_batch_size, totals, self._window_loss)
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing

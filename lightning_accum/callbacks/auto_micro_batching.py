@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ from lightning_accum import _compat
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
+from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.normalization import (
     ItemCounter,
@@ -30,7 +30,7 @@ from lightning_accum.normalization import (
     count_items,
 )
 from lightning_accum.planner import MicroBatchPlanner
-from lightning_accum.report import AccumulationEvent, LossSum, StepReport
+from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.step_logs import StepLogCombiner
 
@@ -127,7 +127,7 @@ class AutoMicroBatching(AccumulationOwner):
     ) -> None:
         super().__init__(count_items, loss_reduction)
         self._max_memory_given = max_memory  # as the user wrote it, for the run config
-        self.max_memory = _check_max_memory(max_memory)
+        self.max_memory = check_max_memory(max_memory)
         if pin_micro_batch_size and micro_batch_size == "auto":
             raise ValueError(
                 '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
@@ -163,6 +163,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
         self._capacity_bytes = 0
+        self._step_batch_size = 0
         self._window_loss = LossSum()
         self._totals: WindowTotals | None = None
         self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
@@ -210,13 +211,13 @@ class AutoMicroBatching(AccumulationOwner):
         self._trainer = trainer
         self._backend = backend_for(trainer.strategy.root_device)
         capacity = self._backend.capacity_bytes()
-        budget = self.max_memory * capacity if isinstance(self.max_memory, float) else float(self.max_memory)
+        budget = budget_bytes(self.max_memory, capacity)
         self.planner.budget_bytes = budget
         self._logs = StepLogCombiner(pl_module)
         self._capacity_bytes = capacity
         self._install(_compat.install_split_closure(trainer, self._run_step))
         log_info(
-            f"lightning_accum: split mode, memory budget {budget / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB"
+            f"lightning_accum: split mode, memory budget {budget / GIB:.2f} GiB of {capacity / GIB:.2f} GiB"
             f" ({self._backend.name})"
         )
 
@@ -228,7 +229,7 @@ class AutoMicroBatching(AccumulationOwner):
             "mode": "split",
             "micro_batch_size": planner.micro_batch_size_setting,
             "max_memory": self._max_memory_given,
-            "max_memory_bytes": None if budget is None else int(budget),
+            "max_memory_bytes": None if budget is None else int(budget),  # resolved at the start of training
             "memory_capacity_bytes": self._capacity_bytes,
             "min_micro_batch_size": planner.min_micro_batch_size,
             **super().settings(),
@@ -283,60 +284,69 @@ class AutoMicroBatching(AccumulationOwner):
         that fails earlier goes straight to that agreement; the others meet it there.
         """
         trainer = self._trainer
-        assert trainer is not None and self._backend is not None
-        module = trainer.lightning_module
-        step_batch_size: int | None = None
-        _broadcast_buffers_now(trainer)
+        assert trainer is not None and self._logs is not None
+        _compat.broadcast_ddp_buffers(trainer.strategy)
         while True:
-            fault, detail = _NO_FAULT, ""
-            agreed: int | None = None
-            self._agreed = False
-            try:
-                # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
-                with _compat.hook_context(module):
-                    if step_batch_size is None:
-                        step_batch_size = _step_batch_size(context, self._hooks)
-                    self._size = self.planner.size_for(step_batch_size)
-                    outcome = self._attempt(trainer, context, self._size)
-            except _PeerFault as peer:
-                agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
-            except Exception as err:  # classified below; anything that isn't an OOM is re-raised after agreement
-                if self._agreed:
-                    raise  # inside the synced backward: the other ranks are in DDP's all-reduce, not in an agreement
-                if not is_oom_error(err):
-                    self._agree_on_fault(trainer, _OTHER_ERROR)
-                    raise
-                fault, detail = _OOM, describe_error(err)
-            if agreed is None:
-                agreed = _NO_FAULT if self._agreed else self._agree_on_fault(trainer, fault)
+            outcome, agreed, detail = self._agreed_attempt(trainer, context)
             if agreed == _NO_FAULT:
                 break
-            if agreed == _OTHER_ERROR:
-                raise RuntimeError(
-                    "Another rank failed with an error that is not an out-of-memory error; this rank stops too."
-                    " See that rank's traceback."
-                )
-            before = self._size
-            self.planner.on_oom(self._size, trainer.global_step)  # raises at the minimum size, on every rank
-            self.oom_retries += 1
-            where = detail if fault == _OOM else "on another rank"
-            log_info(f"lightning_accum: OOM at micro-batch size {before} ({where}); retrying the step")
-            self._take_planner_events(trainer)
-            # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no
-            # cached blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the
-            # smaller size, would make the planner shrink a second time).
-            context.zero_grad()
-            release_memory()
-            self._backend.reset_peak()
+            self._recover_from_oom(trainer, context, detail)
         loss, extra = outcome
         if self.gradient_sync == "deferred" and trainer.world_size > 1:
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
             self.gradient_allreduces += all_reduce_gradients(params, _compat.ddp_process_group(trainer.strategy))
             self._grads_summed = True
-        assert self._logs is not None and step_batch_size is not None
-        with _compat.hook_context(module, "training_step"):  # where the user called `self.log`
-            self._logs.replay(batch_size=step_batch_size)
+        with _compat.hook_context(trainer.lightning_module, "training_step"):  # where the user called `self.log`
+            self._logs.replay(batch_size=self._step_batch_size)
         return context.make_result(loss, extra)
+
+    def _agreed_attempt(self, trainer: pl.Trainer, context: _compat.SplitStepContext) -> tuple[Any, int, str]:
+        """One attempt at the step, and the worst outcome over all ranks: ``(outcome, agreed fault, OOM detail)``.
+
+        An error that is not an OOM is re-raised on this rank after the agreement, and becomes an error on the others.
+        """
+        fault, detail, outcome = _NO_FAULT, "", None
+        agreed: int | None = None
+        self._agreed = False
+        try:
+            # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
+            with _compat.hook_context(trainer.lightning_module):
+                # Inside the agreement: an empty step batch on one rank stops every rank, it never hangs one.
+                self._step_batch_size = _step_batch_size(context, self._hooks)
+                self._size = self.planner.size_for(self._step_batch_size)
+                outcome = self._attempt(trainer, context, self._size)
+        except _PeerFault as peer:
+            agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
+        except Exception as err:  # classified below
+            if self._agreed:
+                raise  # inside the synced backward: the other ranks are in DDP's all-reduce, not in an agreement
+            if not is_oom_error(err):
+                self._agree_on_fault(trainer, _OTHER_ERROR)
+                raise
+            fault, detail = _OOM, describe_error(err)
+        if agreed is None:
+            agreed = _NO_FAULT if self._agreed else self._agree_on_fault(trainer, fault)
+        if agreed == _OTHER_ERROR:
+            raise RuntimeError(
+                "Another rank failed with an error that is not an out-of-memory error; this rank stops too."
+                " See that rank's traceback."
+            )
+        return outcome, agreed, detail or "on another rank"
+
+    def _recover_from_oom(self, trainer: pl.Trainer, context: _compat.SplitStepContext, detail: str) -> None:
+        """Shrink (on every rank alike) and make the retry start from a clean slate."""
+        assert self._backend is not None
+        before = self._size
+        self.planner.on_oom(self._size, trainer.global_step)  # raises at the minimum size, on every rank
+        self.oom_retries += 1
+        log_info(f"lightning_accum: OOM at micro-batch size {before} ({detail}); retrying the step")
+        self._take_planner_events(trainer)
+        # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
+        # blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the smaller size,
+        # would make the planner shrink a second time).
+        context.zero_grad()
+        release_memory()
+        self._backend.reset_peak()
 
     def _attempt(
         self, trainer: pl.Trainer, context: _compat.SplitStepContext, size: int
@@ -403,7 +413,7 @@ class AutoMicroBatching(AccumulationOwner):
             loss = torch.stack([(p * 0).sum() for p in trainer.lightning_module.parameters() if p.requires_grad]).sum()
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
-            _prepare_ddp_backward(model, loss)
+            _compat.prepare_ddp_backward(model, loss)
         try:
             context.backward(loss)
         except Exception as err:
@@ -465,27 +475,8 @@ class AutoMicroBatching(AccumulationOwner):
         self._take_planner_events(trainer)
         self._warn_if_budget_unreachable(peak)
         if self._totals is not None:
-            self._publish_step(peak)
-
-    def _publish_step(self, peak_bytes: int) -> None:
-        totals, self._totals = self._totals, None
-        assert totals is not None
-        self._publish(
-            StepReport(
-                mode="split",
-                micro_batch_size=self._size,
-                accumulation_steps=self.normalizer.micro_batches,
-                effective_batch_size=totals.samples,
-                items=totals.items,
-                consumed_samples=self.consumed_samples,
-                oom_retries=self.oom_retries,
-                loss_sum=self._window_loss.total,
-                loss_items=self._window_loss.items,
-                events=self._take_events(),
-                peak_bytes=peak_bytes,
-                budget_bytes=self.planner.budget_bytes,
-            )
-        )
+            totals, self._totals = self._totals, None
+            self._publish_step("split", self._size, totals, self._window_loss, peak, self.planner.budget_bytes)
 
     def _warn_if_budget_unreachable(self, peak: int) -> None:
         budget = self.planner.budget_bytes
@@ -494,7 +485,7 @@ class AutoMicroBatching(AccumulationOwner):
         if self._size <= self.planner.min_micro_batch_size and peak > budget:
             self._warned_unreachable = True
             rank_zero_warn(
-                f"The step's peak memory ({peak / 2**30:.2f} GiB) is over the budget ({budget / 2**30:.2f} GiB) even"
+                f"The step's peak memory ({peak / GIB:.2f} GiB) is over the budget ({budget / GIB:.2f} GiB) even"
                 f" at the smallest micro-batch size ({self._size}): most of the memory does not depend on the"
                 " micro-batch, so shrinking cannot meet the budget. Raise `max_memory`, or lower the fixed memory"
                 " (a smaller model or optimizer state, a sharded strategy)."
@@ -515,48 +506,6 @@ class AutoMicroBatching(AccumulationOwner):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.planner.load_state_dict(state_dict.get("planner", {}))
-
-
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def _check_max_memory(max_memory: Any) -> float | int:
-    """A fraction of capacity (a float in (0, 1]) or bytes (an int, an integral float > 1, or a string like '8GiB')."""
-    if max_memory is None:
-        return 0.9
-    if isinstance(max_memory, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", max_memory, flags=re.IGNORECASE)
-        if match is None:
-            raise ValueError(f"`max_memory` as a string must be a size such as '8GiB' or '500MB', got {max_memory!r}.")
-        max_memory = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)):
-        raise TypeError(
-            f"`max_memory` must be a fraction of device memory (a float in (0, 1]), a number of bytes (an int) or a"
-            f" size such as '8GiB', got {max_memory!r} of type {type(max_memory).__name__}."
-        )
-    if isinstance(max_memory, float) and max_memory > 1 and max_memory.is_integer():
-        # YAML and LightningCLI turn large ints into floats; a whole number of bytes is still meant.
-        max_memory = int(max_memory)
-    if isinstance(max_memory, float):
-        if not 0.0 < max_memory <= 1.0:
-            raise ValueError(
-                f"`max_memory` as a fraction of device memory must be in (0, 1], got {max_memory}. For a number of"
-                " bytes pass an int or a size, e.g. `max_memory=8 * 2**30` or `max_memory='8GiB'`."
-            )
-        return max_memory
-    if max_memory < 1:
-        raise ValueError(f"`max_memory` in bytes must be >= 1, got {max_memory}. For a fraction pass a float.")
-    return max_memory
 
 
 class _PeerFault(Exception):
@@ -588,39 +537,6 @@ def _is_zero(counts: list[int | Tensor]) -> list[bool]:
     device = tensors[0].device
     flags = torch.stack([torch.as_tensor(c, device=device).reshape(()) == 0 for c in counts])
     return [bool(flag) for flag in flags.tolist()]
-
-
-def _prepare_ddp_backward(model: DistributedDataParallel, loss: Tensor) -> None:
-    """Arm DDP's reducer for a backward whose forward ran under ``no_sync``, as DDP's own forward would have.
-
-    The end of ``DistributedDataParallel.forward`` (``_post_forward`` in ``torch/nn/parallel/distributed.py``) does
-    this when gradients are to be synced; Lightning does the same for manual optimization
-    (``lightning.pytorch.overrides.distributed.prepare_for_backward``). Arming it only after every rank agreed that
-    its forwards succeeded means that an attempt abandoned because of another rank's fault never leaves the reducer
-    expecting a backward: the retry's first micro-batch would otherwise start an all-reduce on this rank alone.
-    """
-    model.require_forward_param_sync = True
-    reducer = model.reducer
-    reducer.prepare_for_forward()  # counts the iteration, as the synced forward would have
-    reducer._rebuild_buckets()  # Lightning: avoids "INTERNAL ASSERT FAILED" with `find_unused_parameters=False`
-    reducer.prepare_for_backward([loss] if model.find_unused_parameters and not model.static_graph else [])
-
-
-def _broadcast_buffers_now(trainer: pl.Trainer) -> None:
-    """Do DDP's buffer broadcast (batch-norm statistics, from rank 0) at the start of the step, not in a forward.
-
-    DDP broadcasts buffers at the start of a forward when ``require_forward_param_sync`` is set (after a synced
-    backward), and clears the flag at the end of a forward under ``no_sync``. Inside an attempt that collective is a
-    trap: a rank that fails before its first forward leaves the others alone in the broadcast, and a rank whose
-    forward raised keeps the flag and alone broadcasts again at the retry. Here, before anything can fail, every rank
-    is at the same point; with the flag cleared, no forward of the step broadcasts.
-    """
-    model = trainer.strategy.model
-    if not isinstance(model, DistributedDataParallel) or trainer.world_size <= 1:
-        return
-    if model.will_sync_module_buffers():
-        model._sync_buffers()
-    model.require_forward_param_sync = False
 
 
 def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:

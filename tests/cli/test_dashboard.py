@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
@@ -18,15 +17,6 @@ from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 pytest.importorskip("wandb_workspaces", reason="the `wandb` extra is not installed")
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args!r}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def test_dashboard_output_writes_the_spec_without_network(tmp_path, no_network, capsys):

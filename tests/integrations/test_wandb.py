@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,28 +34,6 @@ from lightning_accum.monitoring import BUDGET_FRACTION
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
 
 CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS}
-
-
-@pytest.fixture
-def wandb_offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(tmp_path))
-    yield tmp_path
-    wandb.finish()
-    wandb.teardown()
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any attempt to open a connection fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args!r}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:

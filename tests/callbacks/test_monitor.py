@@ -32,20 +32,6 @@ GIB = 1024**3
 EVERY_STEP_KEYS = (set(keys.ALL_KEYS) - {keys.PEAK_RESERVED_GIB}) | {BUDGET_FRACTION}
 
 
-@pytest.fixture
-def wandb_offline(monkeypatch, tmp_path):
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
-    (tmp_path / "wandb_home").mkdir()
-    yield
-    wandb.finish()
-    wandb.teardown()
-
-
 def read_csv(log_dir: str | Path) -> dict[int, dict[str, float]]:
     """CSVLogger's metrics.csv as step -> {key: value}, merging the rows of one step."""
     rows: dict[int, dict[str, float]] = {}
@@ -303,23 +289,6 @@ def test_peak_is_reset_at_each_logging_step(tmp_path):
     # The spike happens in the third optimizer step (global_step 2 while it runs), logged at step 2.
     assert peaks[2] - peaks[1] > 0.8 * spike / GIB
     assert peaks[2] - peaks[3] > 0.8 * spike / GIB  # reset: the next interval no longer holds it
-
-
-def test_fit_twice_and_state_dict_round_trip(tmp_path):
-    monitor = AccumulationMonitor(logging_interval=1)
-    for run in range(2):
-        csv_logger = CSVLogger(str(tmp_path), name=f"fit{run}")
-        trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], logger=csv_logger)
-        trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
-        rows = read_csv(csv_logger.log_dir)
-        assert sorted(rows) == [0, 1]
-        assert all(EVERY_STEP_KEYS <= row.keys() for row in rows.values())
-
-    state = monitor.state_dict()
-    other = AccumulationMonitor(logging_interval=1)
-    other.load_state_dict(state)
-    assert other.state_dict() == state
-    AccumulationMonitor().load_state_dict({})  # an older checkpoint without our entries still loads
 
 
 @pytest.mark.parametrize(
