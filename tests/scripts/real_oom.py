@@ -95,9 +95,7 @@ def main() -> None:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "sizes": model.sizes,
             "oom_retries": callback.oom_retries if callback else 0,
-            "events": [(e.step, e.kind, e.before, e.after) for e in callback.events]
-            if callback
-            else [],
+            "events": [(e.step, e.kind, e.before, e.after) for e in callback.events] if callback else [],
             "log": lines.lines,
         },
         out,
