@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from lightning_accum.cli._common import CommandError, check_output_file
+from lightning_accum.integrations.wandb import USER_PREFIXES
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -15,14 +16,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="create the lightning_accum W&B workspace (or write its spec with --output)",
         description=(
             "Build the W&B workspace with the Batch, Memory, Recovery and Throughput sections for the metrics"
-            " AccumulationMonitor logs. With --output, write its JSON spec and touch no network; without it,"
-            " save it to ENTITY/PROJECT on W&B (needs a login)."
+            " AccumulationMonitor logs, and a 'Your metrics' section for your own (train/*, val/*). With --output,"
+            " write its JSON spec and touch no network; without it, save it to ENTITY/PROJECT on W&B (needs a login)."
         ),
     )
     parser.add_argument("--entity", required=True, help="the W&B entity (user or team) that owns the project")
     parser.add_argument("--project", required=True, help="the W&B project")
     parser.add_argument("--name", default="lightning_accum", help="the workspace name (default: %(default)s)")
     parser.add_argument("--output", "-o", help="write the spec as JSON here instead of uploading it")
+    parser.add_argument(
+        "--user-prefixes",
+        nargs="*",
+        metavar="PREFIX",
+        default=list(USER_PREFIXES),
+        help="one 'Your metrics' panel per prefix, drawing every key under it (default: %(default)s; none: no panels)",
+    )
+    parser.add_argument(
+        "--user-keys",
+        nargs="+",
+        metavar="KEY",
+        default=[],
+        help="one 'Your metrics' panel per key, for keys outside the prefixes (e.g. train_loss_step)",
+    )
     return parser
 
 
@@ -45,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if output is None:
             _check_login()
             try:
-                url = integration.save_dashboard(args.entity, args.project, name=args.name)
+                url = integration.save_dashboard(args.entity, args.project, **_options(args))
             except (wandb.errors.Error, OSError) as err:  # requests' errors are OSErrors
                 raise CommandError(
                     f"could not save the workspace to {args.entity}/{args.project} on W&B: {err}. Check the entity and"
@@ -53,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 ) from err
             print(f"saved the workspace: {url}")
             return 0
-        text = integration.spec_to_json(integration.dashboard_spec(args.entity, args.project, name=args.name))
+        text = integration.spec_to_json(integration.dashboard_spec(args.entity, args.project, **_options(args)))
     except ModuleNotFoundError as err:
         raise CommandError(
             f"`lightning-accum dashboard` needs {err.name!r}: pip install 'lightning-accum[wandb]'."
@@ -67,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"`--output`={args.output!r} could not be written: {err}. Choose another path.") from err
     print(f"wrote {output}")
     return 0
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    # The workspace's name and the user's own metrics, as `dashboard_spec` and `save_dashboard` take them.
+    return {"name": args.name, "user_prefixes": tuple(args.user_prefixes), "user_keys": tuple(args.user_keys)}
 
 
 def _check_login() -> None:

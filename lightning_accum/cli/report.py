@@ -11,8 +11,9 @@ import csv
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_accum import keys
 from lightning_accum.cli._common import CommandError, check_output_file
@@ -20,11 +21,15 @@ from lightning_accum.integrations.wandb import (
     PANEL_LAYOUT,
     STEP_METRIC,
     OfflineRun,
+    PanelSpec,
     SectionSpec,
     layout_keys,
     read_offline_run,
 )
 from lightning_accum.monitoring import BUDGET_FRACTION
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Series = dict[str, list[tuple[float, float]]]
 """key -> ``(step, value)`` points, in logging order."""
@@ -32,6 +37,14 @@ Series = dict[str, list[tuple[float, float]]]
 _COLUMNS = 3
 # Limits, not measurements: drawn dashed so the eye reads them as the line not to cross.
 _REFERENCE_KEYS = frozenset({BUDGET_FRACTION})
+# Event key -> (colour, what it is): the Events panel's points and the vertical marks on the other panels agree.
+_EVENT_STYLE: dict[str, tuple[str, str]] = {
+    keys.EVENT_OOM_RECOVERED: ("tab:red", "OOM recovered"),
+    keys.EVENT_SHRINK: ("tab:orange", "micro-batch shrunk"),
+    keys.EVENT_GROW: ("tab:green", "micro-batch grown"),
+    keys.EVENT_SCHEDULE_CHANGE: ("tab:purple", "k changed"),
+}
+_OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named, not drawn
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 
@@ -105,13 +118,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {problem} Drawing the {rows} history rows it holds.", file=sys.stderr)
     try:
         output = write_report(series, output, title=args.title or str(args.run))
+        summary = summary_path(output).read_text().strip()
     except ModuleNotFoundError as err:
         raise CommandError(
             f"`lightning-accum report` needs {err.name!r}: pip install 'lightning-accum[report]'."
         ) from err
     except OSError as err:
         raise CommandError(f"`--output`={args.output!r} could not be written: {err}. Choose another path.") from err
+    print(summary)
     print(f"wrote {output}")
+    print(f"wrote {summary_path(output)}")
     return 0
 
 
@@ -206,65 +222,299 @@ def _number(value: Any) -> float | None:
 def write_report(
     series: Series, output: str | Path, *, title: str = "", layout: Sequence[SectionSpec] = PANEL_LAYOUT
 ) -> Path:
-    """Draw one row of panels per section of ``layout`` (wrapping at three panels) and save the image.
+    """Draw the panels (see `build_figure`) into ``output`` and write the `summarize` paragraph beside it.
 
-    The format follows the suffix of ``output`` (PNG, PDF, SVG); a name without one gets ``.png``. Returns the path
-    written.
+    The format follows the suffix of ``output`` (PNG, PDF, SVG); a name without one gets ``.png``. The summary goes
+    to the same path with ``.txt`` (`summary_path`). Returns the image's path.
+    """
+    output = Path(output)
+    if not output.suffix:
+        output = output.with_name(output.name + ".png")
+    figure = build_figure(series, title=title, layout=layout)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100, format=output.suffix[1:].lower())
+    summary_path(output).write_text(summarize(series) + "\n")
+    return output
+
+
+def summary_path(output: str | Path) -> Path:
+    """Where `write_report` puts the text summary of the image at ``output``: the same path with ``.txt``."""
+    return Path(output).with_suffix(".txt")
+
+
+def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> Figure:
+    """The report as a matplotlib ``Figure``: one row of panels per section of ``layout``, three to a row.
+
+    Every panel spans the same steps; sizes and counts get whole-number ticks; events are marked on the panels
+    that ask for them; a scalar panel (the capacity) is written into its section's title; the user's own training
+    loss is drawn next to the window loss.
     """
     # The object API with an Agg canvas: no pyplot, so no global backend is chosen for the caller's process.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows_per_section = [math.ceil(len(section.panels) / _COLUMNS) for section in layout]
+    sections = [(section, [p for p in section.panels if p.style != "scalar"]) for section in layout]
+    rows_per_section = [max(1, math.ceil(len(panels) / _COLUMNS)) for _, panels in sections]
     figure = Figure(figsize=(5.0 * _COLUMNS, 3.1 * sum(rows_per_section) + 0.8), layout="constrained")
     FigureCanvasAgg(figure)
     if title:
         figure.suptitle(title, fontsize=13, fontweight="bold")
+    context = _Context(series, x_range=_x_range(series, layout), events=_event_steps(series))
     subfigures = figure.subfigures(len(layout), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
-    for section, subfigure, n_rows in zip(layout, subfigures, rows_per_section, strict=True):
-        subfigure.suptitle(section.name, fontsize=12, fontweight="bold", x=0.01, ha="left")
+    for (section, panels), subfigure, n_rows in zip(sections, subfigures, rows_per_section, strict=True):
+        subfigure.suptitle(_section_title(section, series), fontsize=12, fontweight="bold", x=0.01, ha="left")
         axes = subfigure.subplots(n_rows, _COLUMNS, squeeze=False).ravel()
-        for ax, panel in zip(axes, section.panels, strict=False):  # the last row may have spare axes
-            _draw_panel(ax, panel, series)
-        for ax in axes[len(section.panels) :]:
+        for ax, panel in zip(axes, panels, strict=False):  # the last row may have spare axes
+            _draw_panel(ax, panel, context)
+        for ax in axes[len(panels) :]:
             ax.set_visible(False)
-    output = Path(output)
-    if not output.suffix:
-        output = output.with_name(output.name + ".png")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100, format=output.suffix[1:].lower())
-    return output
+    _event_legend(figure, context.events)
+    return figure
 
 
-def _draw_panel(ax: Any, panel: Any, series: Series) -> None:
+def _event_legend(figure: Any, events: Mapping[str, list[float]]) -> None:
+    # What the dotted lines on the batch and memory panels mean, once for the whole figure.
+    from matplotlib.lines import Line2D
+
+    if not events:
+        return
+    handles = [Line2D([], [], color=_EVENT_STYLE[key][0], linestyle=":", linewidth=1.5) for key in events]
+    labels = [_EVENT_STYLE[key][1] for key in events]
+    figure.legend(handles, labels, loc="outside upper right", ncols=len(handles), fontsize=8, frameon=False)
+
+
+@dataclass(frozen=True)
+class _Context:
+    # What every panel needs besides its own keys.
+    series: Series
+    x_range: tuple[float, float]
+    events: dict[str, list[float]]  # event key -> the steps it was logged at
+
+
+def _section_title(section: SectionSpec, series: Series) -> str:
+    # A scalar panel (a quantity that does not move) is a number in the title, not a flat line.
+    parts = [section.name]
+    for panel in section.panels:
+        points = series.get(panel.keys[0]) if panel.style == "scalar" else None
+        if points:
+            parts.append(f"{panel.title.lower()} {points[-1][1]:.3g} {panel.y_label}")
+    return "   ·   ".join(parts)
+
+
+def _x_range(series: Series, layout: Sequence[SectionSpec]) -> tuple[float, float]:
+    # One range for every panel, the Events panel included, so a step lines up down the page.
+    steps = [s for key in (*layout_keys(layout), *user_loss_keys(series)) for s, _ in series.get(key, [])]
+    low, high = (min(steps), max(steps)) if steps else (0.0, 1.0)
+    pad = max(0.5, 0.02 * (high - low))
+    return low - pad, high + pad
+
+
+def _event_steps(series: Series) -> dict[str, list[float]]:
+    return {key: [s for s, _ in series[key]] for key in keys.EVENT_KEYS if series.get(key)}
+
+
+def user_loss_keys(series: Series) -> list[str]:
+    """The user's own loss keys in ``series`` (``train/loss``, ``train_loss_step``, ...): not ours, not per epoch."""
+    ours = ("accum/", "memory/", "perf/", "events/", "_")
+    return sorted(
+        key
+        for key in series
+        if not key.startswith(ours) and key.lower().removesuffix("_step").endswith("loss") and series[key]
+    )
+
+
+def _draw_panel(ax: Any, panel: PanelSpec, context: _Context) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)
     ax.set_ylabel(panel.y_label, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(True, alpha=0.3)
-    drawn = 0
-    for key in panel.keys:
-        points = series.get(key)
-        if not points:
-            continue
-        steps, values = zip(*points, strict=True)
-        if panel.style == "points":
-            ax.scatter(steps, values, s=28, label=key, zorder=3)
-        elif key in _REFERENCE_KEYS:
-            ax.plot(steps, values, linestyle="--", linewidth=1.5, color="tab:red", label=key)
-        else:
-            ax.plot(steps, values, marker="." if len(points) < 60 else None, linewidth=1.3, label=key)
-        drawn += 1
-    if drawn == 0:
+    extra = user_loss_keys(context.series) if keys.WINDOW_LOSS in panel.keys else []
+    values = [v for key in (*panel.keys, *extra) for v in _draw_key(ax, panel, key, context)]
+    if not values:
         ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-    elif len(panel.keys) > 1:
+    if panel.mark_events:
+        _mark_events(ax, context.events)
+    if ax.get_legend_handles_labels()[0] and (len(panel.keys) > 1 or extra):
         ax.legend(fontsize=7, loc="best")
-    low, high = panel.y_range
-    if drawn and (low is not None or high is not None):
-        if high is None:
-            # Headroom above the largest value, so a flat series does not sit on the frame; 1 when all are 0.
-            finite = [v for key in panel.keys for _, v in series.get(key, []) if math.isfinite(v)]
-            largest = max(finite, default=0.0)
-            high = largest * 1.1 if largest > (low or 0) else (low or 0) + 1
-        ax.set_ylim(low, high)
+    _set_y_range(ax, panel, values)
+    ax.set_xlim(*context.x_range)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.integer:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+
+
+def _draw_key(ax: Any, panel: PanelSpec, key: str, context: _Context) -> list[float]:
+    # Draw one key's points; return the values drawn.
+    points = context.series.get(key, [])
+    if key == BUDGET_FRACTION:
+        points = _budget_points(ax, context.series)
+    if not points:
+        return []
+    steps, values = zip(*points, strict=True)
+    if panel.style == "points":
+        color = _EVENT_STYLE.get(key, (None, ""))[0]
+        ax.scatter(steps, values, s=28, label=key, zorder=3, color=color)
+    elif key in _REFERENCE_KEYS:
+        ax.plot(steps, values, linestyle="--", linewidth=1.5, color="tab:red", label=key)
+    elif key not in panel.keys:  # the user's own loss, overlaid where it was logged
+        ax.plot(steps, values, linestyle="--", linewidth=1.1, color="tab:orange", label=f"{key} (yours)", zorder=3)
+    else:
+        ax.plot(steps, values, marker="." if len(points) < 60 else None, linewidth=1.3, label=key, zorder=2)
+    return [v for v in values if math.isfinite(v)]
+
+
+def _budgets(series: Series) -> list[float]:
+    return [v for _, v in series.get(BUDGET_FRACTION, []) if v < 1]
+
+
+def _budget_points(ax: Any, series: Series) -> list[tuple[float, float]]:
+    # The budget line where it reads: a budget of 1.0 is "none" (window mode), and one far above the peak would
+    # flatten the peak's line to zero. Either is then a legend entry instead of a line.
+    points = [(s, v) for s, v in series.get(BUDGET_FRACTION, []) if v < 1]
+    peaks = _values(series, keys.PEAK_FRACTION)
+    if not series.get(BUDGET_FRACTION):
+        return []
+    if not points:
+        ax.plot([], [], " ", label="no memory budget (window mode)")
+        return []
+    if peaks and min(v for _, v in points) > _OFF_SCALE * max(peaks):
+        ax.plot([], [], " ", label=f"budget {points[-1][1]:.1%} (far above the peak: off the scale)")
+        return []
+    return points
+
+
+def _mark_events(ax: Any, events: Mapping[str, list[float]]) -> None:
+    for key, steps in events.items():
+        color, _ = _EVENT_STYLE[key]
+        for step in steps:
+            ax.axvline(step, color=color, linewidth=1.2, linestyle=":", alpha=0.9, zorder=0)
+
+
+def _set_y_range(ax: Any, panel: PanelSpec, values: list[float]) -> None:
+    low, high = panel.y_range
+    if not values or (low is None and high is None):
+        return
+    if high is None:
+        # Headroom above the largest value drawn, so a flat series does not sit on the frame; 1 when all are 0.
+        largest = max(values)
+        high = largest * 1.1 if largest > (low or 0) else (low or 0) + 1
+    ax.set_ylim(low, high)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the text summary
+# ------------------------------------------------------------------------------------------------------------------
+def summarize(series: Series) -> str:
+    """One paragraph on the run, for people and for logs.
+
+    It says: the steps, the effective batch, the micro-batch range and where it settled, the OOMs recovered and at
+    which steps, the peak memory against the budget, and the throughput.
+    """
+    parts = (_steps_text(series), _batch_text(series), _oom_text(series), _memory_text(series), _speed_text(series))
+    return " ".join(part for part in parts if part)
+
+
+def _values(series: Series, key: str) -> list[float]:
+    return [v for _, v in series.get(key, []) if math.isfinite(v)]
+
+
+def _int(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
+
+
+def _steps_text(series: Series) -> str:
+    steps = sorted({s for key in layout_keys() for s, _ in series.get(key, [])})
+    if not steps:
+        return "No lightning_accum metrics were logged."
+    first, last = steps[0], steps[-1]
+    logged = "" if len(steps) == last - first + 1 else f", logged at {len(steps)} of them"
+    return f"{_int(last - first + 1)} optimizer steps (steps {_int(first)} to {_int(last)}{logged})."
+
+
+def _batch_text(series: Series) -> str:
+    texts = []
+    effective = _changes(series.get(keys.EFFECTIVE_BATCH_SIZE, []))
+    if len(effective) == 1:
+        texts.append(f"Effective batch {_int(effective[0][1])} samples per step throughout")
+    elif 1 < len(effective) <= 4:
+        later = ", ".join(f"{_int(v)} from step {_int(s)}" for s, v in effective[1:])
+        texts.append(f"Effective batch {_int(effective[0][1])} samples per step, {later}")
+    elif effective:
+        values = _values(series, keys.EFFECTIVE_BATCH_SIZE)
+        texts.append(f"Effective batch {_int(min(values))} to {_int(max(values))} samples per step")
+    micro = _changes(series.get(keys.MICRO_BATCH_SIZE, []))
+    if len(micro) == 1:
+        texts.append(f"micro-batch {_int(micro[0][1])} samples throughout")
+    elif micro:
+        values = _values(series, keys.MICRO_BATCH_SIZE)
+        (since, last) = micro[-1]
+        texts.append(
+            f"micro-batch {_int(min(values))} to {_int(max(values))} samples, settled at {_int(last)} from step"
+            f" {_int(since)}"
+        )
+    k = _values(series, keys.ACCUMULATION_STEPS)
+    if k:
+        texts.append(f"k = {_int(k[-1])} at the end{_ranks(series)}")
+    return "; ".join(texts) + "." if texts else ""
+
+
+def _changes(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    # The first point and every point whose value differs from the one before: where a quantity moved.
+    return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
+
+
+def _ranks(series: Series) -> str:
+    # The world size the last step implies (effective = micro-batch x k x ranks); said only when it is over 1.
+    last = [
+        _values(series, key)[-1:] for key in (keys.EFFECTIVE_BATCH_SIZE, keys.MICRO_BATCH_SIZE, keys.ACCUMULATION_STEPS)
+    ]
+    if not all(last):
+        return ""
+    ranks = last[0][0] / (last[1][0] * last[2][0])
+    return f" on {ranks:.0f} ranks" if ranks > 1 and ranks.is_integer() else ""
+
+
+def _oom_text(series: Series) -> str:
+    retries = _values(series, keys.OOM_RETRIES)
+    steps = [s for s, _ in series.get(keys.EVENT_OOM_RECOVERED, [])]
+    count = int(retries[-1]) if retries else len(steps)
+    if not count and not steps:
+        return "No OOMs." if retries else ""
+    where = f" (at step{'s' if len(steps) > 1 else ''} {', '.join(_int(s) for s in steps)})" if steps else ""
+    return f"{count} OOM{'s' if count != 1 else ''} recovered{where}."
+
+
+def _memory_text(series: Series) -> str:
+    peaks, fractions = _values(series, keys.PEAK_GIB), _values(series, keys.PEAK_FRACTION)
+    if not peaks:
+        return ""
+    capacity = _values(series, keys.CAPACITY_GIB)
+    of = f" ({max(fractions):.1%} of {capacity[-1]:.3g} GiB)" if fractions and capacity else ""
+    text = f"Peak memory {max(peaks):.3g} GiB{of}"
+    budgets = _budgets(series)
+    if not budgets:
+        return text + ", with no memory budget set."
+    budget_at = dict(series.get(BUDGET_FRACTION, []))
+    over = sum(1 for s, f in series.get(keys.PEAK_FRACTION, []) if f > budget_at.get(s, math.inf))
+    where = f", over it at {over} logged step{'s' if over != 1 else ''}" if over else ", within it"
+    return f"{text} against a budget of {budgets[-1]:.1%}{where}."
+
+
+def _speed_text(series: Series) -> str:
+    samples, items = _values(series, keys.SAMPLES_PER_SEC), _values(series, keys.ITEMS_PER_SEC)
+    if not samples:
+        return ""
+    text = f"Throughput {_median(samples):,.0f} samples/s (median)"
+    if items and items != samples:
+        text += f", {_median(items):,.0f} items/s"
+    return text + "."
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

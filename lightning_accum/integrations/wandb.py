@@ -11,6 +11,7 @@ used to live.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_KEY",
     "MAX_SUMMARY_KEYS",
+    "NO_SUMMARY_KEYS",
     "PANEL_LAYOUT",
     "STEP_METRIC",
+    "USER_PREFIXES",
     "OfflineRun",
     "PanelSpec",
     "SectionSpec",
@@ -45,6 +48,7 @@ __all__ = [
     "record_config",
     "save_dashboard",
     "spec_metric_keys",
+    "spec_metric_patterns",
     "spec_to_dict",
     "spec_to_json",
 ]
@@ -55,19 +59,33 @@ CONFIG_KEY = "lightning_accum"
 MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
 """Keys whose run summary is their maximum (a memory peak matters at its worst, not at the last step)."""
 
+NO_SUMMARY_KEYS = keys.EVENT_KEYS
+"""Keys without a run summary: an event's value is the size after it, so its last value would read as a count
+(``events/oom_recovered: 16`` after one OOM). The count is `keys.OOM_RETRIES`, whose last value is the total."""
+
+USER_PREFIXES = ("train/", "val/")
+"""The prefixes of the user's own metrics that ``lightning-accum dashboard`` gives panels by default."""
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # the panels: one layout for the W&B workspace and the `lightning-accum report` PNG
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PanelSpec:
-    """One line plot: a title, the keys it draws against `STEP_METRIC`, and how to draw them."""
+    """One panel: a title, the keys it draws against `STEP_METRIC`, and how to draw them.
+
+    ``style="scalar"`` is a single number (the last value of its one key), for a quantity that does not move; the
+    report puts it in its section's title. ``integer`` asks for whole-number ticks (sizes, counts), and
+    ``mark_events`` for the `keys.EVENT_KEYS` steps drawn as vertical lines (in the report).
+    """
 
     title: str
     keys: tuple[str, ...]
     y_label: str
     y_range: tuple[float | None, float | None] = (None, None)
-    style: Literal["line", "points"] = "line"
+    style: Literal["line", "points", "scalar"] = "line"
+    integer: bool = False
+    mark_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,33 +103,62 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
     SectionSpec(
         "Batch",
         (
-            PanelSpec("Effective batch size", (keys.EFFECTIVE_BATCH_SIZE,), "samples / step (all ranks)", _FROM_ZERO),
-            PanelSpec("Micro-batch size", (keys.MICRO_BATCH_SIZE,), "samples / micro-batch", _FROM_ZERO),
-            PanelSpec("Accumulation steps", (keys.ACCUMULATION_STEPS,), "micro-batches / step", _FROM_ZERO),
-            PanelSpec("Items per step", (keys.ITEMS_PER_STEP,), "items / step (all ranks)", _FROM_ZERO),
+            PanelSpec(
+                "Effective batch size",
+                (keys.EFFECTIVE_BATCH_SIZE,),
+                "samples / step (all ranks)",
+                _FROM_ZERO,
+                integer=True,
+                mark_events=True,
+            ),
+            PanelSpec(
+                "Micro-batch size",
+                (keys.MICRO_BATCH_SIZE,),
+                "samples / micro-batch",
+                _FROM_ZERO,
+                integer=True,
+                mark_events=True,
+            ),
+            PanelSpec(
+                "Accumulation steps",
+                (keys.ACCUMULATION_STEPS,),
+                "micro-batches / step",
+                _FROM_ZERO,
+                integer=True,
+                mark_events=True,
+            ),
+            PanelSpec("Items per step", (keys.ITEMS_PER_STEP,), "items / step (all ranks)", _FROM_ZERO, integer=True),
+            # The report overlays the user's own training loss here, where it was logged.
             PanelSpec("Window loss", (keys.WINDOW_LOSS,), "item-weighted mean loss"),
         ),
     ),
     SectionSpec(
         "Memory",
         (
-            PanelSpec("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)", _FROM_ZERO),
+            PanelSpec(
+                "Peak memory",
+                (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB),
+                "GiB (max over ranks)",
+                _FROM_ZERO,
+                mark_events=True,
+            ),
             PanelSpec(
                 # From zero, not to 1: a budget of a few percent of capacity (CPU) must still be visible.
                 "Peak fraction vs budget",
                 (keys.PEAK_FRACTION, BUDGET_FRACTION),
                 "fraction of capacity",
                 _FROM_ZERO,
+                mark_events=True,
             ),
-            # Apart from the peak: on a large host the capacity would flatten the peak's line to zero.
-            PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", _FROM_ZERO),
+            # A number, not a line: the capacity does not move, and a line of it would say nothing.
+            PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", style="scalar"),
         ),
     ),
     SectionSpec(
         "Recovery",
         (
-            PanelSpec("OOM retries", (keys.OOM_RETRIES,), "OOMs recovered (cumulative)", _FROM_ZERO),
-            PanelSpec("Events", keys.EVENT_KEYS, "size after the change", style="points"),
+            PanelSpec("OOM retries", (keys.OOM_RETRIES,), "OOMs recovered (cumulative)", _FROM_ZERO, integer=True),
+            PanelSpec("Events", keys.EVENT_KEYS, "size after the change", _FROM_ZERO, style="points", integer=True),
         ),
     ),
     SectionSpec(
@@ -134,7 +181,7 @@ def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]
 # a live run: metric definitions and config
 # ------------------------------------------------------------------------------------------------------------------
 def define_metrics(run: Any) -> None:
-    """Define every contract key on ``run`` against `STEP_METRIC`, with max summaries for memory peaks.
+    """Define every contract key on ``run`` against `STEP_METRIC`: max summaries for memory peaks, none for events.
 
     Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
     take precedence over the glob.
@@ -144,6 +191,8 @@ def define_metrics(run: Any) -> None:
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
         if key in MAX_SUMMARY_KEYS:
             kwargs["summary"] = "max"
+        elif key in NO_SUMMARY_KEYS:
+            kwargs["summary"] = "none"
         run.define_metric(key, **kwargs)
 
 
@@ -175,35 +224,27 @@ def dashboard_spec(
     *,
     name: str = "lightning_accum",
     layout: Sequence[SectionSpec] = PANEL_LAYOUT,
+    user_prefixes: Sequence[str] = (),
+    user_keys: Sequence[str] = (),
 ) -> Workspace:
     """The ready-made W&B workspace for ``entity/project``: one section per `SectionSpec` of ``layout``.
 
-    Building it touches no network; `save_dashboard` uploads it.
+    With ``user_prefixes`` (e.g. `USER_PREFIXES`) or ``user_keys``, a last section, "Your metrics", draws the
+    user's own metrics: one panel per prefix, matching every key under it by regex (the keys are not known in
+    advance), and one per named key. Building it touches no network; `save_dashboard` uploads it.
     """
-    import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
 
     if not entity or not project:
         raise ValueError(f"`entity` and `project` must be non-empty, got entity={entity!r}, project={project!r}.")
+    settings = ws.SectionPanelSettings(x_axis=STEP_METRIC)
     sections = [
-        ws.Section(
-            name=section.name,
-            is_open=True,
-            panel_settings=ws.SectionPanelSettings(x_axis=STEP_METRIC),
-            panels=[
-                wr.LinePlot(
-                    title=panel.title,
-                    x=STEP_METRIC,
-                    y=list(panel.keys),
-                    title_x="optimizer step",
-                    title_y=panel.y_label,
-                    range_y=panel.y_range,
-                )
-                for panel in section.panels
-            ],
-        )
+        ws.Section(name=section.name, is_open=True, panel_settings=settings, panels=_panels(section))
         for section in layout
     ]
+    if user_prefixes or user_keys:
+        panels = [*map(_prefix_panel, user_prefixes), *map(_key_panel, user_keys)]
+        sections.append(ws.Section(name=USER_SECTION, is_open=True, panel_settings=settings, panels=panels))
     return ws.Workspace(
         entity=entity,
         project=project,
@@ -211,6 +252,46 @@ def dashboard_spec(
         settings=ws.WorkspaceSettings(x_axis=STEP_METRIC),
         sections=sections,
     )
+
+
+USER_SECTION = "Your metrics"
+"""The name of the dashboard section that holds the user's own metrics."""
+
+
+def _panels(section: SectionSpec) -> list[Any]:
+    import wandb_workspaces.reports.v2 as wr
+
+    return [
+        wr.ScalarChart(title=f"{panel.title} ({panel.y_label})", metric=panel.keys[0])
+        if panel.style == "scalar"
+        else wr.LinePlot(
+            title=panel.title,
+            x=STEP_METRIC,
+            y=list(panel.keys),
+            title_x="optimizer step",
+            title_y=panel.y_label,
+            range_y=panel.y_range,
+        )
+        for panel in section.panels
+    ]
+
+
+def _prefix_panel(prefix: str) -> Any:
+    import wandb_workspaces.reports.v2 as wr
+
+    if not prefix:
+        raise ValueError("`user_prefixes` must hold non-empty prefixes, got ''. Pass e.g. 'train/'.")
+    return wr.LinePlot(
+        title=f"{prefix}*", x=STEP_METRIC, metric_regex=f"^{re.escape(prefix)}.*", title_x="optimizer step"
+    )
+
+
+def _key_panel(key: str) -> Any:
+    import wandb_workspaces.reports.v2 as wr
+
+    if not key:
+        raise ValueError("`user_keys` must hold non-empty keys, got ''. Pass e.g. 'train_loss_step'.")
+    return wr.LinePlot(title=key, x=STEP_METRIC, y=[key], title_x="optimizer step", title_y=key)
 
 
 def spec_to_dict(workspace: Workspace) -> dict[str, Any]:
@@ -237,7 +318,25 @@ def spec_metric_keys(spec: Mapping[str, Any]) -> set[str]:
     return found
 
 
-def save_dashboard(entity: str, project: str, *, name: str = "lightning_accum") -> str:
-    """Build the workspace and upload it to W&B (needs network and a login). Returns the workspace URL."""
-    workspace = dashboard_spec(entity, project, name=name).save()
+def spec_metric_patterns(spec: Mapping[str, Any]) -> set[str]:
+    """The metric regexes of the panels of a spec (from `spec_to_dict`): panels for keys not known in advance."""
+    sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
+    return {
+        panel["config"]["metricRegex"]
+        for section in sections
+        for panel in section.get("panels", [])
+        if panel.get("config", {}).get("useMetricRegex")
+    }
+
+
+def save_dashboard(
+    entity: str,
+    project: str,
+    *,
+    name: str = "lightning_accum",
+    user_prefixes: Sequence[str] = (),
+    user_keys: Sequence[str] = (),
+) -> str:
+    """Build the workspace (see `dashboard_spec`) and upload it to W&B (needs network and a login); return its URL."""
+    workspace = dashboard_spec(entity, project, name=name, user_prefixes=user_prefixes, user_keys=user_keys).save()
     return str(workspace.url)

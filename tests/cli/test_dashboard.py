@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationScheduler, keys
+from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
-from lightning_accum.integrations.wandb import spec_metric_keys
+from lightning_accum.integrations.wandb import (
+    USER_SECTION,
+    read_offline_run,
+    spec_metric_keys,
+    spec_metric_patterns,
+)
+from lightning_accum.memory.oom import OOMFault, OOMInjector
+from lightning_accum.monitoring import BUDGET_FRACTION
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
@@ -102,9 +111,87 @@ def test_a_failed_upload_is_one_line(capsys, monkeypatch, no_login, no_network):
 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # well formed, so the upload is tried
 
-    def rejected(entity, project, *, name):
+    def rejected(entity, project, **options):
         raise wandb.errors.CommError(f"permission denied for {entity}/{project}")
 
     monkeypatch.setattr(integration, "save_dashboard", rejected)
     outcome = run_cli(capsys, "dashboard", "--entity", "team", "--project", "proj")
     assert_one_error_line(outcome, "team/proj", "permission denied", "--output")
+
+
+# ---- the user's own metrics, the capacity, the events' run summary ------------------------------------------------
+class LogsTrainAndVal(RegressionModel):
+    """Logs ``train/loss`` and ``val/loss``, as a user's model does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", nn.functional.mse_loss(self.layer(batch["x"]), batch["y"]))
+
+
+def _workspace(spec: dict):
+    # Validated by wandb-workspaces itself: the JSON parses back into its View model and its Workspace.
+    from wandb_workspaces.workspaces import Workspace, internal
+
+    return Workspace._from_model(internal.View.model_validate(spec))
+
+
+def test_the_users_own_metrics_get_panels(tmp_path, no_network, capsys):
+    output = tmp_path / "spec.json"
+    argv = ["dashboard", "--entity", "team", "--project", "proj", "--user-keys", "train_loss_step", "-o", str(output)]
+    assert main(argv) == 0
+    spec = json.loads(output.read_text())
+    sections = {section.name: section.panels for section in _workspace(spec).sections}
+    assert list(sections) == ["Batch", "Memory", "Recovery", "Throughput", USER_SECTION]
+    assert [panel.metric_regex for panel in sections[USER_SECTION][:2]] == ["^train/.*", "^val/.*"]
+    assert [metric.name for metric in sections[USER_SECTION][2].y] == ["train_loss_step"]
+
+    # Every key a user's run logs that is not ours is drawn: by one of the patterns, or by name.
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], logger=csv_logger)
+    data = DataLoader(IndexedDataset(16), batch_size=4)
+    trainer.fit(LogsTrainAndVal(), data, data)
+    with open(f"{csv_logger.log_dir}/metrics.csv") as f:
+        logged = set(next(csv.reader(f))) - {"step", "epoch"} - spec_metric_keys(spec)
+    assert logged == {"train/loss", "val/loss"}
+    assert all(any(re.match(p, key) for p in spec_metric_patterns(spec)) for key in logged)
+
+
+def test_no_user_prefixes_means_no_user_section(tmp_path, no_network):
+    output = tmp_path / "spec.json"
+    assert main(["dashboard", "--entity", "t", "--project", "p", "--user-prefixes", "-o", str(output)]) == 0
+    names = [section.name for section in _workspace(json.loads(output.read_text())).sections]
+    assert names == ["Batch", "Memory", "Recovery", "Throughput"]
+
+
+def test_the_capacity_is_a_number_and_the_budget_shares_the_peaks_panel(tmp_path, no_network):
+    from wandb_workspaces.reports.v2 import ScalarChart
+
+    output = tmp_path / "spec.json"
+    assert main(["dashboard", "--entity", "t", "--project", "p", "-o", str(output)]) == 0
+    memory = next(s for s in _workspace(json.loads(output.read_text())).sections if s.name == "Memory")
+    capacity = [panel for panel in memory.panels if isinstance(panel, ScalarChart)]
+    assert [panel.metric.name for panel in capacity] == [keys.CAPACITY_GIB]
+    lines = [[metric.name for metric in panel.y] for panel in memory.panels if panel not in capacity]
+    assert [keys.PEAK_FRACTION, BUDGET_FRACTION] in lines and all(keys.CAPACITY_GIB not in y for y in lines)
+
+
+def test_an_events_run_summary_is_not_its_last_size(tmp_path, wandb_offline):
+    import wandb
+
+    # Step batches of 8 in micro-batches of 4; an OOM in step 1 halves them to 2, so the event's value is 2.
+    injector = OOMInjector(OOMFault(step=1, micro_batch=0, phase="backward"))
+    owner = AutoMicroBatching(4, max_memory=0.5, fault_injector=injector)
+    trainer = make_trainer(
+        tmp_path, [owner, AccumulationMonitor()], logger=WandbLogger(project="accum", save_dir=str(tmp_path))
+    )
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(24), batch_size=8))
+    wandb.finish()
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
+    assert run.column(keys.EVENT_OOM_RECOVERED) == [(1, 2)]
+    assert keys.EVENT_OOM_RECOVERED not in run.summary  # it used to read `events/oom_recovered: 2`
+    assert run.summary[keys.OOM_RETRIES] == 1  # the count
+    assert all(run.metrics[key]["summary"] == ["none"] for key in keys.EVENT_KEYS)

@@ -10,11 +10,13 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationScheduler, keys
+from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
-from lightning_accum.cli.report import load_series
+from lightning_accum.cli.report import Series, build_figure, load_series, summarize, user_loss_keys, write_report
 from lightning_accum.integrations.wandb import find_run_file, layout_keys, read_offline_run
+from lightning_accum.memory.oom import OOMFault, OOMInjector
+from lightning_accum.monitoring import BUDGET_FRACTION
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
@@ -51,7 +53,8 @@ def test_report_from_an_offline_wandb_run(logged_run, tmp_path, capsys):
     run_dir, _ = logged_run
     output = tmp_path / "out" / "report.png"
     assert main(["report", str(run_dir / "wandb"), "--output", str(output)]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {output}"
+    summary = output.with_suffix(".txt")
+    assert capsys.readouterr().out.splitlines()[-2:] == [f"wrote {output}", f"wrote {summary}"]
     data = output.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 50_000  # 11 drawn panels, not an empty canvas
 
@@ -94,10 +97,10 @@ def test_report_errors_name_the_problem(tmp_path, capsys):
 def test_output_without_a_suffix_is_written_as_the_png_it_prints(logged_run, tmp_path, capsys):
     _, csv_file = logged_run
     outcome = run_cli(capsys, "report", str(csv_file), "-o", str(tmp_path / "plots" / "report"))
-    printed = Path(outcome.out.strip().removeprefix("wrote "))
-    assert outcome.code == 0 and printed == tmp_path / "plots" / "report.png"
-    assert printed.read_bytes().startswith(PNG_MAGIC)
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["report.png"]
+    printed = [Path(line.removeprefix("wrote ")) for line in outcome.out.splitlines() if line.startswith("wrote ")]
+    assert outcome.code == 0 and printed == [tmp_path / "plots" / "report.png", tmp_path / "plots" / "report.txt"]
+    assert printed[0].read_bytes().startswith(PNG_MAGIC)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["report.png", "report.txt"]
 
 
 @pytest.mark.parametrize(
@@ -169,7 +172,7 @@ def test_a_file_cut_inside_a_record_is_reported_as_truncated(cut, tmp_path, caps
 
     # What it holds can still be drawn, on request.
     outcome = run_cli(capsys, "report", str(run_file), "-o", str(tmp_path / "r.png"), "--allow-incomplete")
-    assert outcome.code == 0 and outcome.out.strip() == f"wrote {tmp_path / 'r.png'}"
+    assert outcome.code == 0 and f"wrote {tmp_path / 'r.png'}" in outcome.out.splitlines()
     assert "truncated" in outcome.err and outcome.err.startswith("warning: ")
     assert (tmp_path / "r.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -203,3 +206,99 @@ def test_a_record_split_across_blocks_and_cut_is_truncated(tmp_path, capsys, mon
     assert run.truncated_at == 7 and not run.complete
     outcome = run_cli(capsys, "report", str(run_file), "-o", str(tmp_path / "r.png"))
     assert_one_error_line(outcome, "truncated", "byte 7")
+
+
+# ---- the picture: one x-range, whole-number ticks, events, the user's loss, the budget; the summary ----------------
+INTEGER_PANELS = ["Effective batch size", "Micro-batch size", "Accumulation steps", "Items per step", "OOM retries"]
+OOM_STEP = 7
+
+
+class LogsItsLoss(RegressionModel):
+    """Logs its own training loss, as a user's model does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def _csv_run(tmp_path: Path, owner, batch_size: int) -> Series:
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [owner, AccumulationMonitor()], logger=csv_logger, log_every_n_steps=1)
+    trainer.fit(LogsItsLoss(), DataLoader(IndexedDataset(320), batch_size=batch_size))
+    return load_series(csv_logger.log_dir)
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory) -> Series:
+    """Split mode, 10 steps of 32: micro-batches of 16 grow to 32, then an OOM at step 7 halves them again."""
+    injector = OOMInjector(OOMFault(step=OOM_STEP, micro_batch=0, phase="backward"))
+    owner = AutoMicroBatching(16, max_memory=0.5, grow_patience=4, oom_cooldown=50, fault_injector=injector)
+    return _csv_run(tmp_path_factory.mktemp("split"), owner, batch_size=32)
+
+
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory) -> Series:
+    """Window mode (no memory budget), k = 1, 2, 4 from steps 0, 4, 8."""
+    # 320 samples in micro-batches of 8: 4 + 4 x 2 + 7 x 4 = 40 micro-batches, 15 optimizer steps.
+    return _csv_run(tmp_path_factory.mktemp("window"), AccumulationScheduler({0: 1, 4: 2, 8: 4}, unit="step"), 8)
+
+
+def _axes(figure) -> dict[str, object]:
+    return {ax.get_title(): ax for ax in figure.get_axes() if ax.get_visible() and ax.get_title()}
+
+
+def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_run):
+    axes = _axes(build_figure(split_run))
+    assert "Events" in axes and len(axes) == 11
+    assert {ax.get_xlim() for ax in axes.values()} == {axes["Micro-batch size"].get_xlim()}
+    low, high = axes["Events"].get_xlim()
+    assert low < 0 and high > 9  # the whole run, steps 0 to 9, not just the steps with an event
+    for title in [*INTEGER_PANELS, "Events"]:
+        ticks = axes[title].get_yticks()
+        assert all(float(t).is_integer() for t in ticks), (title, ticks)
+    for ax in axes.values():
+        assert all(float(t).is_integer() for t in ax.get_xticks())  # no "step 2.5"
+
+
+def test_events_are_marked_on_the_batch_and_memory_panels(split_run):
+    axes = _axes(build_figure(split_run))
+    for title in ["Micro-batch size", "Accumulation steps", "Peak memory", "Peak fraction vs budget"]:
+        marks = {line.get_xdata()[0] for line in axes[title].get_lines() if len(set(line.get_xdata())) == 1}
+        assert OOM_STEP in marks, title
+    assert not any(len(set(line.get_xdata())) == 1 for line in axes["Window loss"].get_lines())
+
+
+def test_the_users_loss_is_drawn_next_to_the_window_loss(window_run):
+    assert user_loss_keys(window_run) == ["train/loss"]
+    lines = {line.get_label(): line for line in _axes(build_figure(window_run))["Window loss"].get_lines()}
+    assert list(lines["train/loss (yours)"].get_xdata()) == [s for s, _ in window_run["train/loss"]]
+    assert keys.WINDOW_LOSS in lines
+
+
+def test_without_a_budget_the_peak_fills_its_panel(window_run):
+    assert {v for _, v in window_run[BUDGET_FRACTION]} == {1.0}  # window mode: no budget
+    ax = _axes(build_figure(window_run))["Peak fraction vs budget"]
+    peak = max(v for _, v in window_run[keys.PEAK_FRACTION])
+    assert ax.get_ylim()[1] == pytest.approx(1.1 * peak)
+    drawn = [line for line in ax.get_lines() if len(set(line.get_xdata())) > 1]  # not the event marks
+    assert [line.get_label() for line in drawn] == [keys.PEAK_FRACTION]
+    assert "no memory budget (window mode)" in ax.get_legend_handles_labels()[1]
+
+
+def test_the_summary_of_a_split_run_with_an_oom(split_run, tmp_path):
+    text = summarize(split_run)
+    assert text.startswith("10 optimizer steps (steps 0 to 9).")
+    assert "Effective batch 32 samples per step throughout" in text
+    assert "micro-batch 16 to 32 samples, settled at 16 from step 7" in text
+    assert f"1 OOM recovered (at step {OOM_STEP})." in text
+    assert "against a budget of 50.0%, within it." in text and "samples/s (median)" in text
+    output = write_report(split_run, tmp_path / "r.png")
+    assert output.with_suffix(".txt").read_text() == text + "\n"
+
+
+def test_the_summary_of_a_window_run(window_run):
+    text = summarize(window_run)
+    assert "Effective batch 8 samples per step, 16 from step 4, 32 from step 8" in text
+    assert "micro-batch 8 samples throughout; k = 4 at the end." in text
+    assert "No OOMs." in text and "with no memory budget set." in text
