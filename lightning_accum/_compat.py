@@ -125,6 +125,18 @@ def lightning_loss_divisor(trainer: pl.Trainer) -> int:
     return int(trainer.accumulate_grad_batches)
 
 
+def gradient_scale(trainer: pl.Trainer) -> float:
+    """The factor 16-bit mixed precision multiplies the gradients by until the optimizer step unscales them (else 1).
+
+    ``MixedPrecision.scaler`` (``plugins/precision/amp.py``) is a ``torch.amp.GradScaler``; reading its scale syncs
+    the device, so it is read only where a gradient norm is read anyway.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    return float(scaler.get_scale())
+
+
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning's loggers file the current optimizer step under (the first step is 0).
 

@@ -15,6 +15,11 @@ PEAK_FRACTION = "memory/peak_fraction"
 PEAK_RESERVED_GIB = "memory/peak_reserved_gib"  # CUDA only
 BUDGET_FRACTION = "memory/budget_fraction"  # the memory budget as a fraction of capacity: the line on the dashboard
 
+# With AccumulationMonitor(gradient_noise_scale=True): McCandlish et al. (2018), in items.
+GRADIENT_NOISE_SCALE = "accum/gradient_noise_scale"  # B_simple = tr(Σ) / |G|²
+GRAD_SQ_NORM = "accum/grad_sq_norm"  # |G|²
+GRAD_TRACE_COV = "accum/grad_trace_cov"  # tr(Σ)
+
 SAMPLES_PER_SEC = "perf/samples_per_sec"
 ITEMS_PER_SEC = "perf/items_per_sec"
 
@@ -28,4 +33,5 @@ BATCH_KEYS = (EFFECTIVE_BATCH_SIZE, MICRO_BATCH_SIZE, ACCUMULATION_STEPS, ITEMS_
 MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_FRACTION)
 PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
+NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

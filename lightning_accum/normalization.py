@@ -194,6 +194,8 @@ class WindowNormalizer:
         self._min_items: Tensor | float = 0
         self._samples = 0
         self._micro_batches = 0
+        self.first_items: float | Tensor = 0  # items of the window's first micro-batch, this rank
+        self.windows_started = 0
 
     @property
     def micro_batches(self) -> int:
@@ -207,6 +209,13 @@ class WindowNormalizer:
         self._min_items = 0
         self._samples = 0
         self._micro_batches = 0
+        self.first_items: float | Tensor = 0
+        self.windows_started += 1
+
+    @property
+    def divisor(self) -> float:
+        """``r · k``: a micro-batch's gradient buffer holds ``n_i / (r · k)`` times its mean-loss gradient."""
+        return self.scale * self._accumulation_steps
 
     def add_micro_batch(self, n_items: float | Tensor, n_samples: int) -> float | Tensor:
         """Record a micro-batch and return ``w_i``, the weight its loss gradient must be multiplied by.
@@ -215,6 +224,7 @@ class WindowNormalizer:
         """
         if self._micro_batches == 0:
             self._min_items = n_items
+            self.first_items = n_items
         elif isinstance(n_items, Tensor) or isinstance(self._min_items, Tensor):
             self._min_items = torch.minimum(torch.as_tensor(self._min_items), torch.as_tensor(n_items))
         else:

@@ -60,6 +60,8 @@ class StepReport:
         peak_bytes: the step's peak memory, the maximum over ranks, where the owner measured it (split mode resets the
             peak every step); ``None`` otherwise.
         budget_bytes: the memory budget, where the owner has one.
+        noise: this window's unbiased estimates ``(|G|², tr(Σ))`` of the gradient noise scale's parts, averaged over
+            ranks, when measured (see `lightning_accum.noise_scale`); ``None`` otherwise.
     """
 
     mode: Mode
@@ -74,6 +76,7 @@ class StepReport:
     events: tuple[AccumulationEvent, ...] = ()
     peak_bytes: int | None = None
     budget_bytes: float | None = None
+    noise: tuple[float, float] | None = None
 
 
 class LossSum:

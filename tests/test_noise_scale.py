@@ -67,3 +67,90 @@ def test_bias_correction_and_state_round_trip():
 def test_bad_beta_is_refused(beta, error):
     with pytest.raises(error, match="`beta` must be"):
         NoiseScaleEstimator(beta=beta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end: AccumulationMonitor(gradient_noise_scale=True) against the exact value of a fixed problem
+# ---------------------------------------------------------------------------------------------------------------
+import lightning.pytorch as pl  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_accum import AccumulationMonitor, AccumulationScheduler, AutoMicroBatching, keys  # noqa: E402
+from tests.helpers import make_trainer  # noqa: E402
+
+DIM, SEQ = 32, 8
+
+
+class TokenRegression(Dataset):
+    """Rows ("tokens") x ~ N(0, I), y = x·w* + ε, grouped in samples of 1 to 8 loss-bearing tokens (or all 8)."""
+
+    def __init__(self, n: int, uneven: bool, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, SEQ, DIM, generator=g)
+        self.y = self.x @ torch.ones(DIM) + torch.randn(n, SEQ, generator=g)
+        lengths = torch.randint(1, SEQ + 1, (n,), generator=g) if uneven else torch.full((n,), SEQ)
+        self.mask = torch.arange(SEQ)[None, :] < lengths[:, None]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"x": self.x[i], "y": self.y[i], "mask": self.mask[i]}
+
+    def exact_noise_scale(self, w: Tensor) -> tuple[float, float]:
+        """|G|² and tr(Σ) of the per-token gradients 2 (x·w - y) x over every loss-bearing token of the dataset."""
+        x, y = self.x[self.mask].double(), self.y[self.mask].double()
+        per_token = 2 * (x @ w.double() - y)[:, None] * x
+        mean = per_token.mean(0)
+        return float(mean.square().sum()), float((per_token - mean).square().sum(1).mean())
+
+
+def count_loss_tokens(batch: dict[str, Tensor]) -> Tensor:
+    return batch["mask"].sum()
+
+
+class FixedRegression(pl.LightningModule):
+    """A linear model that never moves (lr 0), so the true gradient and its covariance are fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(DIM, 1, bias=False)
+        with torch.no_grad():
+            self.layer.weight.fill_(0.0)  # w - w* = -1 per coordinate: |G|² = 128, B_simple ≈ 34 tokens
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        mask = batch["mask"]
+        per_token = (self.layer(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)  # the mean over loss-bearing tokens
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(("mode", "uneven"), [("window", False), ("window", True), ("split", False), ("split", True)])
+def test_the_logged_noise_scale_is_within_10_percent_of_the_truth(tmp_path, mode, uneven):
+    dataset = TokenRegression(12288, uneven)
+    model = FixedRegression()
+    if mode == "window":  # micro-batches of 4 samples, 4 per window: 768 windows
+        owner, batch_size = AccumulationScheduler(4, count_items=count_loss_tokens), 4
+    else:  # step batches of 16 samples cut into micro-batches of 4
+        owner, batch_size = AutoMicroBatching(4, count_items=count_loss_tokens, pin_micro_batch_size=True), 16
+    monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_beta=0.998)
+    trainer = make_trainer(tmp_path, [owner, monitor])
+    trainer.fit(model, DataLoader(dataset, batch_size=batch_size))
+
+    grad_sq_norm, trace_cov = dataset.exact_noise_scale(model.layer.weight.detach()[0])
+    metrics = trainer.callback_metrics
+    assert monitor.noise_scale.value().windows == 12288 // 16
+    assert float(metrics[keys.GRAD_SQ_NORM]) == pytest.approx(grad_sq_norm, rel=0.1)
+    assert float(metrics[keys.GRAD_TRACE_COV]) == pytest.approx(trace_cov, rel=0.1)
+    assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)
+
+
+def test_the_noise_scale_needs_an_owner(tmp_path):
+    trainer = make_trainer(tmp_path, [AccumulationMonitor(gradient_noise_scale=True)], accumulate_grad_batches=2)
+    with pytest.raises(
+        RuntimeError, match=r"gradient_noise_scale=True.*`AccumulationScheduler` or `AutoMicroBatching`"
+    ):
+        trainer.fit(FixedRegression(), DataLoader(TokenRegression(16, False), batch_size=4))

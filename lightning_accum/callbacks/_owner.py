@@ -11,11 +11,16 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
 from typing_extensions import override
 
+from lightning_accum import _compat
+from lightning_accum.distributed import sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
+from lightning_accum.noise_scale import unbiased_estimates
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -49,6 +54,9 @@ class AccumulationOwner(Callback):
         self._hooks: BatchHooks = resolve_batch_hooks(None)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
+        self._noise_wanted = False
+        self._first_gradient: tuple[int, Tensor, float | Tensor, float, float] | None = None
+        self._noise: tuple[float, float] | None = None
 
     # ----------------------------------------------------------------------------------------------------------
     # the trainer
@@ -82,6 +90,69 @@ class AccumulationOwner(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning calls no `teardown` hook after an exception; a re-fit of this Trainer must find it as it was.
         self._restore(trainer)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # the gradient noise scale: two batch sizes per window, at the cost of two norms (see `noise_scale`)
+    # ----------------------------------------------------------------------------------------------------------
+    def measure_noise_scale(self) -> None:
+        """Estimate the gradient noise scale in every window and put it in the step reports.
+
+        Asked by ``AccumulationMonitor(gradient_noise_scale=True)`` and by schedules that adapt to it. It costs one
+        squared norm over the gradients after the first micro-batch's backward and one at the optimizer step, one
+        host read per step and, under DDP, one scalar all-reduce; no extra forward, backward or gradient all-reduce.
+        """
+        self._noise_wanted = True
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._noise_wanted or self.normalizer.micro_batches != 1:
+            return
+        # The window's first micro-batch, before any other is added: its buffer holds `n_1 / (r k)` times the mean
+        # gradient over its own items (and the loss scale, under 16-bit mixed precision).
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            normalizer = self.normalizer
+            squared = _squared_norm(grads)
+            scale = _compat.gradient_scale(trainer)
+            self._first_gradient = (
+                normalizer.windows_started,
+                squared,
+                normalizer.first_items,
+                normalizer.divisor,
+                scale,
+            )
+
+    def _measure_noise(self, trainer: pl.Trainer, params: list[Tensor], totals: WindowTotals) -> None:
+        """After the step's gradient is exact: this window's estimates of |G|² and tr(Σ), averaged over ranks."""
+        self._noise = None
+        # Rank-consistent conditions only: the collective below must run on every rank or on none.
+        if (
+            not self._noise_wanted
+            or getattr(self, "sync_every_micro_batch", False)
+            or self.normalizer.micro_batches < 2
+        ):
+            return
+        local = torch.zeros(3, dtype=torch.float64)
+        capture, self._first_gradient = self._first_gradient, None
+        grads = [p.grad for p in params if p.grad is not None]
+        if capture is not None and capture[0] == self.normalizer.windows_started and grads and totals.items > 0:
+            _, small, first_items, divisor, scale = capture
+            small_sq, n_small, big_sq = torch.stack(
+                [
+                    small.double(),
+                    torch.as_tensor(first_items, dtype=torch.float64, device=small.device),
+                    _squared_norm(grads).double().to(small.device),
+                ]
+            ).tolist()
+            if 0 < n_small < totals.items:
+                small_sq *= (divisor / n_small) ** 2 / scale**2
+                local = torch.tensor(
+                    [*unbiased_estimates(small_sq, n_small, big_sq, totals.items), 1.0], dtype=torch.float64
+                )
+        sum_fn = sum_across_ranks_fn(trainer)
+        grad_sq_norm, trace_cov, ranks = (sum_fn(local) if sum_fn is not None else local).tolist()
+        if ranks > 0:
+            self._noise = (grad_sq_norm / ranks, trace_cov / ranks)
 
     # ----------------------------------------------------------------------------------------------------------
     # what happened
@@ -126,8 +197,10 @@ class AccumulationOwner(Callback):
                 events=self._take_events(),
                 peak_bytes=peak_bytes,
                 budget_bytes=budget_bytes,
+                noise=self._noise,
             )
         )
+        self._noise = None
 
     def _take_events(self) -> tuple[AccumulationEvent, ...]:
         events, self._pending_events = tuple(self._pending_events), []
@@ -167,3 +240,9 @@ def describe_counter(counter: Callable[..., Any] | None) -> str:
 @rank_zero_only
 def log_info(message: str) -> None:
     log.info(message)
+
+
+def _squared_norm(tensors: list[Tensor]) -> Tensor:
+    """The squared L2 norm of all ``tensors`` together, as a tensor (no host read)."""
+    norms = torch._foreach_norm(tensors)  # one fused kernel per device and dtype
+    return torch.stack([n.float() for n in norms]).square().sum()

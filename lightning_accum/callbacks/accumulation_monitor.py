@@ -13,7 +13,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum import _compat
+from lightning_accum import _compat, keys
+from lightning_accum._validation import check_bool
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
@@ -25,6 +26,7 @@ from lightning_accum.monitoring import (
     WeightedMean,
     event_metrics,
 )
+from lightning_accum.noise_scale import NoiseScaleEstimator
 from lightning_accum.report import StepReport
 from lightning_accum.splitting import resolve_batch_hooks
 
@@ -69,10 +71,17 @@ class AccumulationMonitor(Callback):
         ``events/*``                        size after   at the logging step that follows the event
         ==================================  ===========  ==================================================
 
+    With ``gradient_noise_scale=True`` it also logs ``accum/gradient_noise_scale`` (``B_simple = tr(Σ)/|G|²`` in
+    items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``) and ``accum/grad_trace_cov`` (``tr(Σ)``):
+    unbiased estimates from each window's first micro-batch and whole window, smoothed by a bias-corrected moving
+    average over windows (``noise_scale_beta``). It needs windows of at least two micro-batches.
+
     Args:
         logging_interval: log every this many optimizer steps; ``None`` (the default) follows
             ``Trainer(log_every_n_steps)``, as Lightning's own monitors do. Throughput, peak memory and the window
             loss cover the whole interval; batch figures describe its last step.
+        gradient_noise_scale: also estimate and log the gradient noise scale (needs an accumulation owner).
+        noise_scale_beta: the moving average's decay per window, in ``[0, 1)``.
 
     Raises:
         TypeError: ``logging_interval`` is not an int.
@@ -85,7 +94,13 @@ class AccumulationMonitor(Callback):
         >>> trainer = Trainer(callbacks=[AccumulationScheduler(4), monitor], enable_progress_bar=False)
     """
 
-    def __init__(self, logging_interval: int | None = None) -> None:
+    def __init__(
+        self,
+        logging_interval: int | None = None,
+        *,
+        gradient_noise_scale: bool = False,
+        noise_scale_beta: float = 0.99,
+    ) -> None:
         bad_type = isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
         if logging_interval is not None and bad_type:
             raise TypeError(
@@ -97,6 +112,8 @@ class AccumulationMonitor(Callback):
                 f"`logging_interval` must be >= 1 (log every that many optimizer steps), got {logging_interval}."
             )
         self.logging_interval = logging_interval
+        self.gradient_noise_scale = check_bool(gradient_noise_scale, "gradient_noise_scale")
+        self.noise_scale = NoiseScaleEstimator(noise_scale_beta)  # checks the beta
         self._backend: MemoryBackend | None = None
         self._capacity_bytes = 0
         self._owner: AccumulationOwner | None = None
@@ -125,6 +142,14 @@ class AccumulationMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owner = find_owner(trainer.callbacks)
+        if self.gradient_noise_scale:
+            if self._owner is None:
+                raise RuntimeError(
+                    "`AccumulationMonitor(gradient_noise_scale=True)` measures the noise scale from the exact window"
+                    " gradient, which `AccumulationScheduler` or `AutoMicroBatching` provides. Add one of them to the"
+                    " Trainer's callbacks (e.g. `AccumulationScheduler()` adopts `accumulate_grad_batches`)."
+                )
+            self._owner.measure_noise_scale()
         self._interval.reset()
         self._windows = LightningWindows()
         self._last_report = self._owner.last_step_report if self._owner is not None else None
@@ -180,6 +205,8 @@ class AccumulationMonitor(Callback):
         if report is None:
             return  # still inside the window
         self._interval.add(report)
+        if report.noise is not None:
+            self.noise_scale.add_estimates(*report.noise)
         step = _compat.logging_step(trainer)
         interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
         if interval > 0 and (step + 1) % interval == 0:
@@ -227,14 +254,14 @@ class AccumulationMonitor(Callback):
             interval_items=interval.items,
             interval_seconds=seconds,
         )
-        metrics = {**figures.as_metrics(), **event_metrics(interval.events)}
+        metrics = {**figures.as_metrics(), **self._noise_metrics(), **event_metrics(interval.events)}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
         # EarlyStopping; the loggers were served above, at this step, so Lightning must not log them again.
         pl_module.log_dict(
-            {key: float(value) for key, value in figures.as_metrics().items()},
+            {key: float(value) for key, value in {**figures.as_metrics(), **self._noise_metrics()}.items()},
             logger=False,
             on_step=True,
             on_epoch=False,
@@ -243,6 +270,25 @@ class AccumulationMonitor(Callback):
         interval.reset()
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
+
+    def _noise_metrics(self) -> dict[str, float]:
+        estimate = self.noise_scale.value()
+        if not self.gradient_noise_scale or estimate.windows == 0:
+            return {}
+        return {
+            keys.GRADIENT_NOISE_SCALE: estimate.gradient_noise_scale,
+            keys.GRAD_SQ_NORM: estimate.grad_sq_norm,
+            keys.GRAD_TRACE_COV: estimate.trace_cov,
+        }
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # The noise-scale estimate is a moving average over windows: a resumed run continues it.
+        return {"noise_scale": self.noise_scale.state_dict()} if self.gradient_noise_scale else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.noise_scale.load_state_dict(state_dict.get("noise_scale", {}))
 
     def _window_loss(self, interval: IntervalTotals) -> float:
         """The item-weighted mean loss of the interval over all ranks (``nan`` when no loss was seen)."""

@@ -252,6 +252,7 @@ class AccumulationScheduler(AccumulationOwner):
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
+        self._measure_noise(trainer, params, self._totals)
         self._stepped = True
         self.consumed_samples += self._totals.samples
         if self._totals.items <= 0:

@@ -456,6 +456,7 @@ class AutoMicroBatching(AccumulationOwner):
         # Deferred sync summed the buffers over ranks; DDP's own sync averaged them.
         world_size = 1 if self._grads_summed else trainer.world_size
         self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), world_size)
+        self._measure_noise(trainer, params, self._totals)
         self._grads_summed = False
         self.consumed_samples += self._totals.samples
 
