@@ -6,6 +6,8 @@ Examples::
         --data my_pkg.data:MyDataModule --data-init-args '{"root": "data"}' \\
         --batch-size 64 --accumulation-steps 2 4 --budget-gib 8 --output-dir probe_out
     lightning-accum probe --config config.yaml --batch-size 64 --device cuda
+    lightning-accum probe --model examples.llama8b.model:LlamaLM --data examples.llama8b.model:random_tokens \\
+        --batch-size 8 --accumulation-steps 8 --device meta --target cuda --precision bf16-true --json
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 
 import lightning_accum
 from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, positive_float
+from lightning_accum.memory.fake import TARGETS
+from lightning_accum.memory.precision import PRECISIONS
 from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
 from lightning_accum.probe.resolve import check_init_args
 
@@ -38,6 +42,9 @@ _FLAGS = {
     "fit_micro_batch_sizes": "--fit-micro-batch-sizes",
     "steps": "--steps",
     "warmup_steps": "--warmup-steps",
+    "device": "--device",
+    "target": "--target",
+    "precision": "--precision",
 }
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
 _PACKAGE_DIR = Path(lightning_accum.__file__).resolve().parent
@@ -95,12 +102,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
     )
     parser.add_argument("--budget-gib", type=positive_float, help="a memory budget in GiB: which micro-batch fits it?")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N; or meta: predict on fake tensors, allocating nothing (default: cpu)",
+    )
+    parser.add_argument(
+        "--target", choices=TARGETS, help="with --device meta: the device to predict for (default: cpu)"
+    )
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="32-true", help="as Trainer(precision=...) (default: 32-true)"
+    )
     parser.add_argument(
         "--steps", type=int_at_least(1), default=2, help="measured optimizer steps per configuration (default: 2)"
     )
     parser.add_argument("--warmup-steps", type=int_at_least(0), default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--output-dir", help="write probe.txt, probe.json and probe.png here")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout, not the table")
     return parser
 
 
@@ -128,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         if not _raised_by_lightning_accum(err):
             raise
         raise CommandError(_with_flags(str(err))) from err
-    print(result.table())
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     if output_dir is not None:
         try:
             paths = write_outputs(result, output_dir)
@@ -142,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
                 f"`--output-dir`={args.output_dir!r}: could not write the results: {err}. Choose a directory you can "
                 "write to."
             ) from err
-        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+        wrote = "wrote " + ", ".join(str(p) for p in paths.values())
+        if args.json:  # stdout stays pure JSON
+            print(wrote, file=sys.stderr)
+        else:
+            print("\n" + wrote)
     return 0
 
 
@@ -176,6 +198,8 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         device=device,
+        target=args.target,
+        precision=args.precision,
         budget_bytes=None if args.budget_gib is None else args.budget_gib * 2**30,
         module_init_args=module_init_args,
         data_init_args=data_init_args,
@@ -188,7 +212,7 @@ def _device(text: str) -> str:
     except RuntimeError:
         device = None
     if device is None or device.type not in _DEVICE_TYPES:
-        raise CommandError(f"`--device`={text!r} is not a device the probe runs on: use cpu, cuda or cuda:N.")
+        raise CommandError(f"`--device`={text!r} is not a device the probe runs on: use cpu, cuda, cuda:N or meta.")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = "" if torch.version.cuda else ", and this PyTorch is built without CUDA"

@@ -8,34 +8,35 @@ attention takes the math path (it materializes the ``L x L`` attention matrix an
 use flash attention), and ``Module.to("meta")`` unties tied weights; both made the old ``--device meta`` probe
 overestimate.
 
-For a CUDA target (``target="cuda"``) on any machine, three CUDA behaviours are reproduced:
+For a CUDA target (``target="cuda"``) on any machine, two CUDA behaviours are reproduced:
 
-- scaled dot-product attention runs the kernel CUDA would pick (flash attention for fp16/bf16 without a mask,
-  memory-efficient attention otherwise, math as the last resort; an Ampere or newer GPU is assumed);
 - optimizers that default to a ``foreach`` implementation on CUDA use it (its temporaries are whole lists of
   tensors, where the CPU's per-parameter loop has one at a time);
 - the tracker counts storages in the CUDA caching allocator's 512-byte blocks, as ``torch.cuda.memory_allocated``
   does.
 
+The kernels are the CPU's. For attention that is close: the CPU's flash attention saves what CUDA's flash and
+memory-efficient kernels save (the output and a float32 log-sum-exp per query). Where CUDA cannot use a fused kernel
+and falls back to the math path (head sizes over 256 in fp16/bf16, unaligned head sizes) the prediction is low.
+(Routing attention to CUDA's kernels with a ``TorchFunctionMode`` is not an option: function modes are off during
+the backward pass, so activation checkpointing would recompute with other kernels than its forward pass used.)
+
 What it cannot see on CUDA: the CUDA context (hundreds of MiB per process, outside PyTorch's allocator), cuBLAS and
-cuBLASLt workspaces, NCCL buffers, and fragmentation (``memory_reserved - memory_allocated``); and under
-``*-mixed`` precision it follows the CPU's autocast op lists, not CUDA's. `CUDA_HEADROOM` is the share of a budget
-the probe keeps free for them.
+cuBLASLt workspaces, NCCL buffers, fragmentation (``memory_reserved - memory_allocated``), and under ``*-mixed``
+precision CUDA's autocast op lists (the CPU's are used). `CUDA_HEADROOM` is the share of a budget the probe keeps
+free for them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
 
 from lightning_accum.memory.precision import replace_tensors
 
@@ -50,7 +51,7 @@ CUDA_HEADROOM = 0.10
 class FakeTarget:
     """A context in which tensors are fake and a training step allocates nothing, dispatched as on ``target``.
 
-    Inside it, every tensor created is a ``FakeTensor`` on the CPU device. `module`, `copy_module` and `tensors`
+    Inside it, every tensor created is a ``FakeTensor`` on the CPU device. `module`, `copy_step` and `tensors`
     turn real modules and batches into fake ones (same shapes, dtypes, strides and shared storages);
     `optimizers` gives optimizers the implementation they would have on the target. It can be entered again, e.g.
     to build real batches in between; the fake tensors made inside stay valid for the object's life.
@@ -71,7 +72,7 @@ class FakeTarget:
         ('FakeTensor', True)
     """
 
-    def __init__(self, target: str = "cpu") -> None:
+    def __init__(self, target: Target = "cpu") -> None:
         if target not in TARGETS:
             raise ValueError(f"`target` must be one of {', '.join(TARGETS)}, got {target!r}.")
         self.target = target
@@ -79,23 +80,21 @@ class FakeTarget:
         self.block_bytes = CUDA_BLOCK_BYTES if target == "cuda" else 1
         # One mode for the object's life: it can be entered again (tensors of two fake modes must not meet).
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> FakeTarget:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.mode)
-        if self.target == "cuda":
-            stack.enter_context(_CudaAttention())
-        self._stacks.append(stack)
+        self.mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stacks.pop().close()
+        self.mode.__exit__(*exc)
 
     # ---- real -> fake -------------------------------------------------------------------------------------------
 
     def fake(self, tensor: torch.Tensor, shared: dict[int, Any] | None = None) -> torch.Tensor:
         """A fake tensor like ``tensor`` on the fake device (a fake one is returned as is).
+
+        Only the real tensor's metadata is read: running an op on it inside the mode would convert it with the fake
+        mode's own converter, which keeps its device (``meta``, ``cuda``).
 
         Tensors converted with the same ``shared`` dict that share a storage get views of one fake storage, as a
         batch's ``input_ids`` and ``labels`` cut from one tensor do. The dict holds the fake storages: drop it when
@@ -122,23 +121,42 @@ class FakeTarget:
         shared: dict[int, Any] = {}
         return replace_tensors(module, lambda t: self.fake(t, shared))
 
-    def copy_module(self, module: nn.Module) -> nn.Module:
-        """A deep copy of ``module`` whose tensors are fake: the real weights are never copied.
+    def copy_step(
+        self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        """Deep copies of ``module`` and ``optimizers`` whose tensors are fake: no real weight or state is copied.
+
+        The copies share their fake parameters as the originals share theirs (tied weights, param groups), and
+        the optimizers keep any state they already hold (a resumed run), as fake tensors.
 
         Raises:
             Exception: whatever ``copy.deepcopy`` raises for an attribute that cannot be copied.
         """
+        optimizers = list(optimizers)
         memo: dict[int, Any] = {}
         shared: dict[int, Any] = {}
         for sub in module.modules():
             for param in sub._parameters.values():
                 if param is not None and id(param) not in memo:
-                    fake = self.fake(param.detach(), shared)
+                    fake = self.fake(param, shared)
                     memo[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
             for value in [*sub._buffers.values(), *vars(sub).values()]:
                 if isinstance(value, torch.Tensor) and id(value) not in memo:
-                    memo[id(value)] = self.fake(value.detach(), shared)
-        return copy.deepcopy(module, memo)
+                    memo[id(value)] = self.fake(value, shared)
+        for opt in optimizers:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and id(value) not in memo:
+                        memo[id(value)] = self._state_tensor(value, shared)
+        module_copy, optimizers_copy = copy.deepcopy((module, optimizers), memo)
+        return module_copy, optimizers_copy
+
+    def _state_tensor(self, value: torch.Tensor, shared: dict[int, Any]) -> torch.Tensor:
+        # A one-element state (Adam's `step`) is read with `.item()`: it must keep its value, which a fake tensor
+        # made inside the mode from a Python number does. `tolist` reads the real tensor without dispatching.
+        if value.numel() == 1:
+            return torch.tensor(value.tolist(), dtype=value.dtype, device=self.device)
+        return self.fake(value, shared)
 
     def optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """``optimizers``, set to the implementation they would pick on the target (in place).
@@ -153,67 +171,3 @@ class FakeTarget:
                     if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                         group["foreach"] = True
         return optimizers
-
-
-class _CudaAttention(TorchFunctionMode):
-    """Route ``F.scaled_dot_product_attention`` to the kernel CUDA would choose, on fake CPU tensors."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _cuda_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _cuda_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    kernel = cuda_attention_kernel(query, key, value, attn_mask)
-    if kernel == "flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, False, scale=scale
-        )[0]
-    if kernel == "efficient":
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA does: a boolean mask becomes a bias
-            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
-        log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, log_sumexp, dropout_p, is_causal, scale=scale
-        )[0]
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
-
-
-def cuda_attention_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
-) -> Literal["flash", "efficient", "math"]:
-    """The SDPA kernel CUDA picks on an Ampere or newer GPU: flash, then memory-efficient, then math.
-
-    A simplification of ``select_sdp_backend`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: both
-    fused kernels need 4-D inputs with the same number of heads and the same head size in query and key; flash
-    attention needs fp16/bf16, no mask and a head size up to 256; memory-efficient attention takes fp32 too, and a
-    mask, with the head size aligned to 8 (16-bit) or 4 (fp32) elements.
-
-    Examples:
-        >>> q = torch.empty(1, 8, 16, 64, dtype=torch.bfloat16)
-        >>> cuda_attention_kernel(q, q, q, None), cuda_attention_kernel(q.float(), q.float(), q.float(), None)
-        ('flash', 'efficient')
-    """
-    same_shape = query.dim() == key.dim() == value.dim() == 4 and query.size(1) == key.size(1) == value.size(1)
-    head = query.size(-1)
-    if not same_shape or key.size(-1) != head:
-        return "math"
-    if query.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and head <= 256 and value.size(-1) == head:
-        return "flash"
-    alignment = 4 if query.dtype == torch.float32 else 8
-    if query.dtype in (torch.float16, torch.bfloat16, torch.float32) and head % alignment == 0:
-        return "efficient"
-    return "math"

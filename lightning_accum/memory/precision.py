@@ -43,7 +43,7 @@ class StepPrecision:
         torch.bfloat16
     """
 
-    def __init__(self, precision: str | int = "32-true") -> None:
+    def __init__(self, precision: PrecisionName | str | int = "32-true") -> None:
         name = _ALIASES.get(str(precision), str(precision))
         if name not in PRECISIONS:
             raise ValueError(
@@ -100,12 +100,15 @@ def replace_tensors(module: nn.Module, convert: Callable[[torch.Tensor], torch.T
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and id(param) not in done:
-                done[id(param)] = (param, nn.Parameter(convert(param.detach()), requires_grad=param.requires_grad))
+                with torch.no_grad():  # the new parameter is a leaf, as the old one was
+                    new = convert(param)
+                done[id(param)] = (param, nn.Parameter(new, requires_grad=param.requires_grad))
             if param is not None:
                 sub._parameters[name] = done[id(param)][1]  # type: ignore[assignment]
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and id(buffer) not in done:
-                done[id(buffer)] = (buffer, convert(buffer))
+                with torch.no_grad():
+                    done[id(buffer)] = (buffer, convert(buffer))
             if buffer is not None:
                 sub._buffers[name] = done[id(buffer)][1]
     return module

@@ -128,6 +128,7 @@ class MemoryTracker(TorchDispatchMode):
         self._total = 0
         self._phase = ""
         self._peak = MemorySnapshot(0, dict.fromkeys(CATEGORIES, 0), "")
+        self._phase_peaks: dict[str, int] = {}
         self._handles: list[Any] = []
 
     # ---- accounting -----------------------------------------------------------------------------------------------
@@ -190,6 +191,8 @@ class MemoryTracker(TorchDispatchMode):
     def _update_peak(self) -> None:
         if self._total > self._peak.total_bytes:
             self._peak = MemorySnapshot(self._total, dict(self._totals), self._phase)
+        if self._total > self._phase_peaks.get(self._phase, -1):
+            self._phase_peaks[self._phase] = self._total
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -239,6 +242,7 @@ class MemoryTracker(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Label what runs inside as ``name`` (e.g. ``"forward"``), so the peak says when it happened."""
         previous, self._phase = self._phase, name
+        self._update_peak()  # what is live on entering belongs to the phase too
         try:
             yield
         finally:
@@ -254,6 +258,23 @@ class MemoryTracker(TorchDispatchMode):
         """The largest total seen since the tracker started or since `reset_peak`, with its breakdown."""
         return self._peak
 
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        """The largest total seen in each phase (see `phase`) since the tracker started or since `reset_peak`.
+
+        Examples:
+            >>> with MemoryTracker() as tracker:
+            ...     with tracker.phase("big"):
+            ...         big = torch.zeros(1024)
+            ...     with tracker.phase("small"):
+            ...         del big
+            ...         small = torch.zeros(16)
+            >>> tracker.phase_peaks["big"], tracker.phase_peaks["small"]
+            (4096, 4096)
+        """
+        return dict(self._phase_peaks)
+
     def reset_peak(self) -> None:
         """Start a new peak from the current live bytes (e.g. after warm-up steps)."""
         self._peak = self.current
+        self._phase_peaks = {self._phase: self._total}

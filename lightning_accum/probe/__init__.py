@@ -14,9 +14,15 @@ where the gradient buffer is alive during the forward pass: that is what the mic
 error is checked by fitting the sizes at even positions of the sorted list and predicting the others, so both
 interpolation and, when the largest size is held out, extrapolation are tested.
 
+With ``device="meta"`` the same steps run on fake tensors (`lightning_accum.memory.fake.FakeTarget`): nothing is
+allocated, so a model that doesn't fit the machine can be asked about, and the peaks are those the steps would reach
+on ``target`` (``"cpu"``: the same bytes as a real CPU run; ``"cuda"``: ``torch.cuda.memory_allocated``, less what
+fake tensors can't see). ``precision`` runs the steps as ``Trainer(precision=...)`` would.
+
 The package's modules: ``resolve`` turns import paths, init args and LightningCLI configs into factories;
 ``measure`` runs the configurations; ``result`` holds what was measured; ``report`` turns it into sentences, a
-table, JSON and a plot.
+table, JSON, a plot and a snippet to paste; ``preflight`` fits ``peak(b)`` of a split-mode step from fake-tensor
+traces, for a cold start without out-of-memory errors.
 
 Examples:
     >>> import lightning.pytorch as pl

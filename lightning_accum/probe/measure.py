@@ -15,8 +15,9 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -81,24 +82,27 @@ def probe_memory(
     """
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
-    ks = _accumulation_steps(accumulation_steps, batch_size)
-    configs = _configurations(batch_size, ks, fit_micro_batch_sizes, grid)
+    ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
     where = _Where.of(device, target, precision)
     make_module = module_factory(module, module_init_args)
-    _check_module(make_module())  # on a throwaway instance, so that a wrong module fails before any measuring
+    _check_module(where.throwaway(make_module))  # so that a wrong module fails before any measuring
     make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
-    measurements, param_bytes, grad_bytes = [], 0, 0
-    for b, k in configs:
-        m, param_bytes, grad_bytes = _measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed)
-        measurements.append(m)
-    result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
-    result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
-    result.headroom = CUDA_HEADROOM if where.target == "cuda" else 0.0
-    _fit(result)
-    return result
+    runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed) for b, k in configs]
+    return _fit(_result(batch_size, ks, runs, where, budget_bytes))
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
+
+
+def _plan(
+    batch_size: int,
+    accumulation_steps: Sequence[int],
+    fit_micro_batch_sizes: Sequence[int] | None,
+    grid: Sequence[tuple[int, int]],
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The ``k`` values compared and every ``(b, k)`` to measure, checked."""
+    ks = _accumulation_steps(accumulation_steps, batch_size)
+    return ks, _configurations(batch_size, ks, fit_micro_batch_sizes, grid)
 
 
 def _accumulation_steps(accumulation_steps: Sequence[int], batch_size: int) -> list[int]:
@@ -157,8 +161,29 @@ class _Where:
         """A fresh fake-tensor context for one configuration, or ``None`` on a real device."""
         return None if self.target is None else FakeTarget(self.target)
 
+    def throwaway(self, make_module: Callable[[], nn.Module]) -> Any:
+        """An instance to check before measuring: on fake tensors for a prediction, since the real one may not fit."""
+        fake = self.fake()
+        with _entered(fake):
+            return make_module()
 
-def _fit(result: ProbeResult) -> None:
+
+def _result(
+    batch_size: int,
+    ks: list[int],
+    runs: list[tuple[ProbeMeasurement, int, int]],
+    where: _Where,
+    budget_bytes: float | None,
+) -> ProbeResult:
+    _, param_bytes, grad_bytes = runs[-1]  # the same for every configuration
+    measurements = [m for m, _, _ in runs]
+    result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
+    result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
+    result.headroom = CUDA_HEADROOM if where.target == "cuda" else 0.0
+    return result
+
+
+def _fit(result: ProbeResult) -> ProbeResult:
     """Fit ``peak(b)`` on the accumulating configurations, and check it on held-out sizes when there are three."""
     peaks: dict[int, int] = {}
     for m in result.measurements:  # with several k at one b, the largest peak counts
@@ -175,6 +200,7 @@ def _fit(result: ProbeResult) -> None:
         for b in result.fit_sizes:
             holdout.observe(b, peaks[b])
         result.holdout_error = holdout.relative_error([(b, peaks[b]) for b in result.holdout_sizes])
+    return result
 
 
 # ---- the module -----------------------------------------------------------------------------------------------------
@@ -238,8 +264,9 @@ def _measure(
     where: _Where,
     seed: int,
 ) -> tuple[ProbeMeasurement, int, int]:
-    _release(where.device)
     fake = where.fake()
+    if fake is None:  # fake tensors hold no memory to release
+        _release(where.device)
     torch.manual_seed(seed)
     with _entered(fake):
         model, optimizers = _build(make_module, where, fake)  # a fresh copy: nothing carried over from another (b, k)
@@ -257,10 +284,14 @@ def _measure(
             micro_batches = [batches.pop(0) for _ in range(k)]
             train_step(model, optimizers, micro_batches, tracker, _preparer(where, fake), _autocast(where), step * k)
     device_peak = _device_peak(where.device)
-    peak = tracker.peak
-    measurement = ProbeMeasurement(b, k, peak.total_bytes, dict(peak.by_category), peak.phase, device_peak)
+    peak, phases = tracker.peak, {}
+    for label, total in tracker.phase_peaks.items():  # "backward 2/4" -> "backward"
+        if label:
+            phases[label.split()[0]] = max(phases.get(label.split()[0], 0), total)
+    measurement = ProbeMeasurement(b, k, peak.total_bytes, dict(peak.by_category), peak.phase, device_peak, phases)
     del model, optimizers, tracker
-    gc.collect()
+    if fake is None:
+        gc.collect()
     return measurement, param_bytes, grad_bytes
 
 
@@ -283,7 +314,7 @@ def _preparer(where: _Where, fake: FakeTarget | None) -> Callable[[Any], Any]:
     return prepare
 
 
-def _autocast(where: _Where) -> Callable[[], ContextManager[None]]:
+def _autocast(where: _Where) -> Callable[[], AbstractContextManager[None]]:
     device_type = "cpu" if where.target is not None else where.device.type  # fake tensors live on the CPU
     return lambda: where.precision.forward_context(device_type)
 
@@ -324,7 +355,7 @@ def train_step(
     batches: list[Any],
     tracker: MemoryTracker,
     prepare: Callable[[Any], Any] = lambda batch: batch,
-    forward_context: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+    forward_context: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     batch_idx: int = 0,
 ) -> None:
     """One optimizer step over ``batches`` (its micro-batches, numbered from ``batch_idx``), phases labelled.

@@ -108,6 +108,11 @@ def _fit_lines(result: ProbeResult) -> list[str]:
 def _budget_lines(result: ProbeResult) -> list[str]:
     if result.budget_bytes is None:
         return []
+    if not result.peak_model.fitted():
+        return [
+            f"A budget of {result.budget_bytes / _GiB:.3g} GiB was given, but peak(b) needs accumulating "
+            "configurations at two micro-batch sizes to say which b fits it: add `fit_micro_batch_sizes`."
+        ]
     b = result.fitting_micro_batch_size
     if b is None:
         return [
@@ -132,9 +137,10 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
     ]
     if result.target == "cuda":
         lines.append(
-            "On CUDA: counted in the caching allocator's 512-byte blocks, with CUDA's attention kernel and foreach "
-            "optimizer. Not seen: the CUDA context (outside PyTorch's allocator), cuBLAS workspaces, NCCL buffers, "
-            f"fragmentation, and CUDA's own autocast op lists; {result.headroom:.0%} of a budget is kept free for them."
+            "For CUDA: counted in the caching allocator's 512-byte blocks, with CUDA's foreach optimizer; attention "
+            "runs the CPU's flash kernel, which keeps what CUDA's fused kernels keep. Not seen: the CUDA context, "
+            "cuBLAS workspaces, NCCL buffers, fragmentation, a math-path attention fallback and CUDA's own autocast "
+            f"op lists; {result.headroom:.0%} of a budget is kept free for them."
         )
     return lines
 
@@ -147,10 +153,10 @@ def snippet(result: ProbeResult) -> str | None:
     b = result.fitting_micro_batch_size
     if b is None or result.budget_bytes is None:
         return None
-    budget = f"{result.budget_bytes / _GiB:.4g}GiB"
+    budget = _size_text(result.budget_bytes)
     return "\n".join(
         [
-            f'AutoMicroBatching(micro_batch_size={b}, max_memory="{budget}")  # with a DataLoader batch_size of '
+            f"AutoMicroBatching(micro_batch_size={b}, max_memory={budget!r})  # with a DataLoader batch_size of "
             f"{result.batch_size}",
             "# or in a LightningCLI config:",
             "trainer:",
@@ -222,6 +228,7 @@ def to_dict(result: ProbeResult) -> dict[str, Any]:
                 "peak_bytes": m.peak_bytes,
                 "breakdown": dict(m.breakdown),
                 "peak_phase": m.peak_phase,
+                "phase_peak_bytes": dict(m.phase_peak_bytes),
                 "device_peak_bytes": m.device_peak_bytes,
             }
             for m in result.measurements
@@ -328,6 +335,14 @@ def _human(value: float) -> str:
         if abs(value) >= size:
             return f"{value / size:.2f} {unit}"
     return f"{value:.0f} B"
+
+
+def _size_text(value: float) -> int | str:
+    """``"8GiB"`` for a whole number of a unit, else the whole bytes (``max_memory`` reads both)."""
+    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", 2**10)):
+        if value >= size and value % size == 0:
+            return f"{int(value // size)}{unit}"
+    return int(value)
 
 
 def _signed(value: float, positive: str, negative: str) -> str:

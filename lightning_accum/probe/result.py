@@ -21,6 +21,8 @@ class ProbeMeasurement:
         breakdown: bytes per category at that peak (parameters, gradients, optimizer_state, activations).
         peak_phase: when the peak happened: ``"forward"``, ``"backward"`` or ``"optimizer"``, with the micro-batch.
         device_peak_bytes: ``torch.cuda.max_memory_allocated`` over the measured steps on CUDA, else ``None``.
+        phase_peak_bytes: the peak within each kind of phase: ``"forward"``, ``"backward"`` and ``"optimizer"``
+            (e.g. the optimizer step's own peak, when the backward pass sets the overall one).
     """
 
     micro_batch_size: int
@@ -29,6 +31,7 @@ class ProbeMeasurement:
     breakdown: dict[str, int]
     peak_phase: str
     device_peak_bytes: int | None = None
+    phase_peak_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def effective_batch_size(self) -> int:
@@ -94,7 +97,7 @@ class ProbeResult:
 
     @property
     def fitting_micro_batch_size(self) -> int | None:
-        """The largest micro-batch (at most ``B``) whose predicted peak fits the budget less its headroom, or ``None``."""
+        """The largest micro-batch (at most ``B``) predicted to fit the budget less its `headroom`, or ``None``."""
         if self.budget_bytes is None or not self.peak_model.fitted():
             return None
         return self.peak_model.largest_fitting(self.budget_bytes * (1 - self.headroom), upper=self.batch_size)

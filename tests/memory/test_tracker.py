@@ -73,3 +73,40 @@ def test_tracker_agrees_with_cuda_allocator():
     assert tracker.peak.by_category["parameters"] == grad_bytes(model)
     # The allocator rounds every block up to 512 bytes and sees scratch memory inside kernels; the tracker does not.
     assert tracker_rise == pytest.approx(allocator_rise, rel=0.1, abs=256 * 1024)
+
+
+def test_tracker_counts_allocator_blocks():
+    model = nn.Linear(3, 3)  # a 36-byte weight and a 12-byte bias
+    with MemoryTracker(model, block_bytes=512) as tracker:
+        x = torch.ones(1000)  # 4000 bytes -> 8 blocks
+        assert tracker.current.by_category == {
+            "parameters": 2 * 512,
+            "gradients": 0,
+            "optimizer_state": 0,
+            "activations": 8 * 512,
+        }
+        del x
+    with pytest.raises(ValueError, match=r"`block_bytes` must be an int >= 1, got 0"):
+        MemoryTracker(block_bytes=0)
+
+
+def test_tracker_peak_per_phase():
+    model = nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    weights = 4 * (256 * 256 + 256)
+    with MemoryTracker(model, [opt]) as tracker:
+        for step in range(2):
+            if step == 1:  # after the warm-up step
+                tracker.reset_peak()
+            with tracker.phase("forward"):
+                loss = model(torch.ones(64, 256)).sum()
+            with tracker.phase("backward"):
+                loss.backward()
+            del loss
+            with tracker.phase("optimizer"):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        peaks = tracker.phase_peaks
+    assert set(peaks) == {"", "forward", "backward", "optimizer"}
+    assert peaks["optimizer"] >= 4 * weights  # parameters, gradients, exp_avg, exp_avg_sq
+    assert max(peaks.values()) == tracker.peak.total_bytes

@@ -217,3 +217,40 @@ def test_a_bug_in_the_model_keeps_its_traceback(capsys, monkeypatch, measuring):
     monkeypatch.setattr(models, "Broken", Broken, raising=False)
     with pytest.raises(RuntimeError, match="a bug in the user's training_step"):
         run_cli(capsys, "probe", "--model", f"{MODELS}:Broken", *DATA, "--batch-size", "4")
+
+
+# ---- predictions: --device meta, --target, --precision, --json ------------------------------------------------------
+
+SMALL = ["--batch-size", "4", "--accumulation-steps", "2", "--fit-micro-batch-sizes", "1", "--steps", "1"]
+
+
+def test_cli_json_is_the_only_thing_on_stdout(capsys, tmp_path, measuring):
+    out = tmp_path / "out"
+    outcome = run_cli(
+        capsys, *PROBE, *SMALL, "--device", "meta", "--budget-gib", "0.001", "--json", "--output-dir", str(out)
+    )
+    assert outcome.code == 0, outcome
+    data = json.loads(outcome.out)  # nothing else on stdout: `probe --json | jq` works
+    assert (data["device"], data["target"], data["precision"]) == ("meta (as cpu)", "cpu", "32-true")
+    assert data["snippet"].startswith("AutoMicroBatching(micro_batch_size=")
+    assert data == json.loads((out / "probe.json").read_text())
+    assert outcome.err.startswith("wrote ")
+
+
+def test_cli_predicts_for_cuda_in_bf16_and_ends_with_the_snippet(capsys, measuring):
+    argv = [*SMALL, "--device", "meta", "--target", "cuda", "--precision", "bf16-true", "--budget-gib", "0.001"]
+    outcome = run_cli(capsys, *PROBE, *argv)
+    assert outcome.code == 0, outcome
+    assert outcome.out.startswith("Predicted peak live tensor memory in MiB on meta (as cuda), bf16-true")
+    assert "Ready to paste (split mode):\nAutoMicroBatching(micro_batch_size=" in outcome.out
+    assert "class_path: lightning_accum.AutoMicroBatching" in outcome.out
+
+
+def test_cli_target_needs_the_meta_device(capsys):
+    outcome = run_cli(capsys, *PROBE, "--target", "cuda")
+    assert_one_error_line(outcome, "`--target`='cuda' only applies with `--device`='meta'", "Drop `--target`")
+
+
+def test_cli_precision_must_be_lightnings(capsys):
+    outcome = run_cli(capsys, *PROBE, "--precision", "fp8")
+    assert_one_error_line(outcome, "--precision", "'fp8'", "bf16-mixed", code=2)

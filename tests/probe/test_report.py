@@ -21,3 +21,21 @@ def test_table_dict_and_plot(act_heavy, tmp_path):
     assert [c["k"] for c in data["comparisons"]] == [2, 4]
     png = act_heavy.plot(tmp_path / "probe.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_snippet_is_ready_to_paste_in_python_and_yaml(act_heavy):
+    import yaml
+
+    from lightning_accum import AutoMicroBatching
+
+    b = act_heavy.fitting_micro_batch_size
+    snippet = act_heavy.snippet()
+    python, _, config = snippet.partition("\n# or in a LightningCLI config:\n")
+    callback = eval(python.split("  #")[0], {"AutoMicroBatching": AutoMicroBatching})
+    assert isinstance(callback, AutoMicroBatching)
+    parsed = yaml.safe_load(config)
+    (entry,) = parsed["trainer"]["callbacks"]
+    assert entry["class_path"] == "lightning_accum.AutoMicroBatching"
+    assert entry["init_args"]["micro_batch_size"] == b and parsed["data"]["batch_size"] == 512
+    assert entry["init_args"]["max_memory"] == "2MiB" and AutoMicroBatching(**entry["init_args"]).max_memory == 2**21
+    assert "Ready to paste" in act_heavy.table() and act_heavy.to_dict()["snippet"] == snippet
