@@ -5,7 +5,7 @@ from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.callbacks.accumulation_scheduler import AccumulationScheduler
 from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.manual import ManualAccumulation
-from lightning_accum.schedules import BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
+from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
 
 __version__ = "0.1.0"
 
@@ -13,6 +13,7 @@ _logging.configure()
 
 __all__ = [
     "AccumulationMonitor",
+    "AdaptiveBatchSize",
     "AccumulationScheduler",
     "AutoMicroBatching",
     "BatchSizeRamp",

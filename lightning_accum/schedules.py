@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-from lightning_accum._validation import check_choice, check_int
+from lightning_accum._validation import check_bool, check_choice, check_int, check_number
+from lightning_accum.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
 Rounding = Literal["error", "floor", "ceil", "nearest"]
+LRScaling = Literal["linear", "sqrt"]
 _UNITS = get_args(ScheduleUnit)
 _ROUNDINGS = get_args(Rounding)
 _K_HINT = "Use 1 to disable accumulation."
@@ -197,6 +199,128 @@ class BatchSizeRamp:
         return (
             f"BatchSizeRamp(start={self.start}, target={self.target}, increment={self.increment},"
             f" ramp_samples={self.ramp_samples}, rounding={self.rounding!r})"
+        )
+
+
+class AdaptiveBatchSize:
+    """``k`` from the measured gradient noise scale: a global batch of about ``factor`` times ``B_noise`` items.
+
+    The gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al., 2018) predicts the critical batch size:
+    below it, a larger batch buys almost proportionally faster progress per step; above it, little. It usually grows
+    as the loss falls. This schedule measures it in every window (at the cost of two gradient norms, see
+    `lightning_accum.noise_scale`) and, after each optimizer step, aims ``k`` at
+    ``factor · B_noise / (items per micro-batch · world size)``, clamped to ``[min_accumulation_steps,
+    max_accumulation_steps]``. A change lands at the next window boundary. It needs windows of at least two
+    micro-batches to measure anything, so ``min_accumulation_steps`` defaults to 2.
+
+    Use it with `lightning_accum.AccumulationScheduler`; the estimate and ``k`` round-trip through checkpoints.
+
+    Args:
+        min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
+        max_accumulation_steps: the largest ``k``.
+        factor: the target global batch as a multiple of the noise scale.
+        warmup_windows: windows measured before ``k`` may change.
+        hysteresis: how far (relative to the current ``k``) the target must move before ``k`` follows.
+        allow_decrease: let ``k`` go down when the noise scale falls (by default it never does).
+        lr_scaling: when ``k`` changes, multiply the learning rate of every param group by ``k_new / k_old``
+            (``"linear"``) or its square root (``"sqrt"``); ``None`` leaves it alone.
+        beta: the noise-scale moving average's decay per window.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: a bound < 1 or ``max < min``, ``factor <= 0``, ``hysteresis < 0``, an unknown ``lr_scaling``,
+            or ``beta`` outside ``[0, 1)``.
+
+    Examples:
+        >>> schedule = AdaptiveBatchSize(min_accumulation_steps=2, max_accumulation_steps=16, warmup_windows=1)
+        >>> schedule.accumulation_steps(Progress())
+        2
+        >>> schedule.observe(items=64.0, micro_batches=2, world_size=1, noise=(1.0, 160.0))  # B_noise = 160 items
+        >>> schedule.accumulation_steps(Progress())  # 160 items / 32 items per micro-batch
+        5
+    """
+
+    unit: ScheduleUnit = "step"
+    needs_noise_scale = True
+
+    def __init__(
+        self,
+        min_accumulation_steps: int = 2,
+        max_accumulation_steps: int = 64,
+        *,
+        factor: float = 1.0,
+        warmup_windows: int = 50,
+        hysteresis: float = 0.25,
+        allow_decrease: bool = False,
+        lr_scaling: LRScaling | None = None,
+        beta: float = 0.99,
+    ) -> None:
+        self.min_k = check_int(min_accumulation_steps, "min_accumulation_steps", minimum=1)
+        self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)
+        self.factor = check_number(factor, "factor", minimum=0.0, min_inclusive=False)
+        self.warmup_windows = check_int(warmup_windows, "warmup_windows", minimum=0)
+        self.hysteresis = check_number(hysteresis, "hysteresis", minimum=0.0)
+        self.allow_decrease = check_bool(allow_decrease, "allow_decrease")
+        if lr_scaling is not None:
+            check_choice(lr_scaling, "lr_scaling", ("linear", "sqrt"), hint="Or None to leave the learning rate alone.")
+        self.lr_scaling: LRScaling | None = lr_scaling
+        self.estimator = NoiseScaleEstimator(beta)
+        self._k = self.min_k
+        self._items_per_micro_batch: float | None = None  # per rank, smoothed
+
+    def accumulation_steps(self, progress: Progress) -> int:
+        """The ``k`` decided after the last step (the schedule only changes its mind in `observe`)."""
+        return self._k
+
+    def observe(self, items: float, micro_batches: int, world_size: int, noise: tuple[float, float] | None) -> None:
+        """Take one optimizer step's figures (global items, this rank's micro-batches, the noise estimates)."""
+        if noise is not None:
+            self.estimator.add_estimates(*noise)
+        if micro_batches > 0 and items > 0:
+            per_micro_batch = items / (micro_batches * world_size)
+            previous = self._items_per_micro_batch
+            self._items_per_micro_batch = (
+                per_micro_batch if previous is None else 0.9 * previous + 0.1 * per_micro_batch
+            )
+        self._k = self._decide(world_size)
+
+    def _decide(self, world_size: int) -> int:
+        estimate = self.estimator.value()
+        noise_scale = estimate.gradient_noise_scale
+        if estimate.windows < max(1, self.warmup_windows) or not self._items_per_micro_batch:
+            return self._k
+        if not math.isfinite(noise_scale) or noise_scale <= 0:
+            return self._k
+        target = self.factor * noise_scale / (self._items_per_micro_batch * world_size)
+        k = min(self.max_k, max(self.min_k, round(target)))
+        if not self.allow_decrease:
+            k = max(k, self._k)
+        return k if abs(k - self._k) > self.hysteresis * self._k else self._k
+
+    def lr_factor(self, before: int, after: int) -> float:
+        """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
+        if self.lr_scaling is None or before == after:
+            return 1.0
+        ratio = after / before
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "k": self._k,
+            "items_per_micro_batch": self._items_per_micro_batch,
+            "estimator": self.estimator.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._k = int(state.get("k", self.min_k))
+        self._items_per_micro_batch = state.get("items_per_micro_batch")
+        self.estimator.load_state_dict(state.get("estimator", {}))
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveBatchSize({self.min_k}, {self.max_k}, factor={self.factor}, warmup_windows={self.warmup_windows},"
+            f" hysteresis={self.hysteresis}, allow_decrease={self.allow_decrease}, lr_scaling={self.lr_scaling!r},"
+            f" beta={self.estimator.beta})"
         )
 
 

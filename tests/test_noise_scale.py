@@ -154,3 +154,21 @@ def test_the_noise_scale_needs_an_owner(tmp_path):
         RuntimeError, match=r"gradient_noise_scale=True.*`AccumulationScheduler` or `AutoMicroBatching`"
     ):
         trainer.fit(FixedRegression(), DataLoader(TokenRegression(16, False), batch_size=4))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_on_two_ranks_with_uneven_token_counts(tmp_path):
+    # Each rank's first micro-batch gives its own pair with the global window; the ranks' estimates are averaged.
+    from tests.test_ddp import ddp_trainer
+
+    dataset = TokenRegression(12288, uneven=True)
+    monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_beta=0.998)
+    trainer = ddp_trainer(tmp_path, [AccumulationScheduler(4, count_items=count_loss_tokens), monitor])
+    trainer.fit(FixedRegression(), DataLoader(dataset, batch_size=4))
+
+    grad_sq_norm, trace_cov = dataset.exact_noise_scale(torch.zeros(DIM))
+    metrics = trainer.callback_metrics  # rank zero's, handed back by the spawn launcher
+    assert float(metrics[keys.GRAD_SQ_NORM]) == pytest.approx(grad_sq_norm, rel=0.1)
+    assert float(metrics[keys.GRAD_TRACE_COV]) == pytest.approx(trace_cov, rel=0.1)
+    assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)

@@ -116,6 +116,8 @@ class AccumulationScheduler(AccumulationOwner):
         self._validate(trainer, pl_module)
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
+        if getattr(self._active_schedule, "needs_noise_scale", False):
+            self.measure_noise_scale()  # e.g. `AdaptiveBatchSize`: k follows the measured noise scale
         self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
         self._claim(trainer)
         # LR schedules sized from `estimated_stepping_batches` in `configure_optimizers` (which runs after this hook)
@@ -230,13 +232,26 @@ class AccumulationScheduler(AccumulationOwner):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
         if k != self._k and self._k_known:
-            self._record(
-                AccumulationEvent("schedule_change", trainer.global_step, self._k, k, f"epoch {progress.epoch}")
-            )
+            reason = f"epoch {progress.epoch}" + self._scale_learning_rate(trainer, self._k, k)
+            self._record(AccumulationEvent("schedule_change", trainer.global_step, self._k, k, reason))
         self._k_known = True
         self._k = k
         trainer.accumulate_grad_batches = k
         self.normalizer.start_window(k)
+
+    def _scale_learning_rate(self, trainer: pl.Trainer, before: int, after: int) -> str:
+        """Apply the schedule's learning-rate rule for a change of ``k`` (``AdaptiveBatchSize(lr_scaling=...)``)."""
+        lr_factor = getattr(self._active_schedule, "lr_factor", None)
+        factor = lr_factor(before, after) if callable(lr_factor) else 1.0
+        if factor == 1.0:
+            return ""
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+        for config in trainer.lr_scheduler_configs:  # a scheduler recomputes the rate from its base rates
+            if hasattr(config.scheduler, "base_lrs"):
+                config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
+        return f"; learning rate x{factor:.4g}"
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -272,13 +287,26 @@ class AccumulationScheduler(AccumulationOwner):
             return
         totals, self._totals = self._totals, None
         self._publish_step("window", self._micro_batch_size, totals, self._window_loss)
+        observe = getattr(self._active_schedule, "observe", None)
+        report = self.last_step_report
+        if callable(observe) and report is not None:
+            # The figures are global (summed or averaged over ranks), so every rank's schedule decides alike.
+            observe(
+                items=report.items,
+                micro_batches=report.accumulation_steps,
+                world_size=trainer.world_size,
+                noise=report.noise,
+            )
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
     # ----------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "accumulation_steps": self._k, "micro_batch_size": self._micro_batch_size}
+        state = {**super().state_dict(), "accumulation_steps": self._k, "micro_batch_size": self._micro_batch_size}
+        if callable(getattr(self._active_schedule, "state_dict", None)):
+            state["schedule"] = self._active_schedule.state_dict()  # e.g. the noise-scale estimate
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -287,3 +315,5 @@ class AccumulationScheduler(AccumulationOwner):
         self._k_known = "accumulation_steps" in state_dict
         self._micro_batch_size = int(state_dict.get("micro_batch_size", 0))
         self._new_window = True
+        if "schedule" in state_dict and callable(getattr(self._active_schedule, "load_state_dict", None)):
+            self._active_schedule.load_state_dict(state_dict["schedule"])

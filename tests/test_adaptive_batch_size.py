@@ -1,0 +1,135 @@
+"""AdaptiveBatchSize: k follows the measured gradient noise scale, at window boundaries, exact in every window."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.schedules import AdaptiveBatchSize, Progress
+from tests.helpers import (
+    FP32,
+    IndexedDataset,
+    RegressionModel,
+    assert_grads_close,
+    make_trainer,
+    mse_loss,
+    replay_reference,
+)
+
+
+def adaptive(**kwargs) -> AdaptiveBatchSize:
+    settings = {"min_accumulation_steps": 2, "max_accumulation_steps": 8, "warmup_windows": 5, "beta": 0.8}
+    return AdaptiveBatchSize(**{**settings, **kwargs})
+
+
+def fit(tmp_path, schedule, *, epochs=2, n=256, ckpt=None, model=None):
+    # y is pure noise: as the least-squares fit converges, |G|² falls towards 0 and the noise scale rises.
+    dataset = IndexedDataset(n)
+    model = model or RegressionModel(lr=0.2)
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(schedule)], max_epochs=epochs)
+    trainer.fit(model, DataLoader(dataset, batch_size=4), ckpt_path=ckpt)
+    return model, dataset, trainer
+
+
+def test_k_rises_with_the_noise_scale_at_window_boundaries_and_every_window_is_exact(tmp_path):
+    schedule = adaptive()
+    initial = RegressionModel(lr=0.2)
+    model, dataset, trainer = fit(tmp_path, schedule, model=copy.deepcopy(initial))
+    windows = [len(indices) // 4 for indices in model.step_indices]
+    assert windows[0] == 2 and max(windows) > 2  # it started at the minimum and grew
+    changes = [(e.before, e.after) for e in trainer.callbacks[0].events if e.kind == "schedule_change"]
+    assert changes and all(after > before for before, after in changes)  # only ever up
+    assert schedule.estimator.value().windows == len(windows)
+    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.2)
+    assert_grads_close(model.step_grads, expected, **FP32)
+
+
+def test_k_never_decreases_unless_asked_and_respects_the_bounds():
+    schedule = adaptive(warmup_windows=1, beta=0.0)
+    progress = Progress()
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))  # B = 24: k = 24 / 4 = 6
+    assert schedule.accumulation_steps(progress) == 6
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 4.0))  # B = 4: target 1, but no decrease
+    assert schedule.accumulation_steps(progress) == 6
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 1000.0))  # B = 1000: clamped to 8
+    assert schedule.accumulation_steps(progress) == 8
+    falling = adaptive(warmup_windows=1, beta=0.0, allow_decrease=True)
+    falling.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))
+    falling.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 8.0))
+    assert falling.accumulation_steps(progress) == 2
+
+
+def test_hysteresis_keeps_small_moves_from_changing_k():
+    schedule = adaptive(warmup_windows=1, beta=0.0, hysteresis=0.5)
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 12.0))  # target 3 vs k 2: +50%, not more
+    assert schedule.accumulation_steps(Progress()) == 2
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 16.0))  # target 4: +100%
+    assert schedule.accumulation_steps(Progress()) == 4
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("linear", 3.0), ("sqrt", math.sqrt(3.0)), (None, 1.0)])
+def test_lr_factor(scaling, factor):
+    schedule = adaptive(lr_scaling=scaling, max_accumulation_steps=6, warmup_windows=1)
+    schedule._k = 2
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))  # k: 2 -> 6 at the next window
+    assert schedule.lr_factor(2, 6) == pytest.approx(factor)
+
+
+def test_a_change_mid_run_scales_the_learning_rate(tmp_path):
+    schedule = adaptive(lr_scaling="linear")
+    _, _, trainer = fit(tmp_path, schedule)
+    k_end = schedule.accumulation_steps(Progress())
+    changes = [e for e in trainer.callbacks[0].events if e.kind == "schedule_change"]
+    assert changes and changes[-1].after == k_end > 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.2 * k_end / 2)
+
+
+def test_resume_mid_adaptation_continues_identically(tmp_path):
+    full_model, *_ = fit(tmp_path / "full", adaptive(), epochs=2)
+    first, _, trainer = fit(tmp_path / "a", adaptive(), epochs=1)
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed_schedule = adaptive()
+    resumed, *_ = fit(tmp_path / "b", resumed_schedule, epochs=2, ckpt=ckpt)
+    sizes = [len(i) for i in first.step_indices + resumed.step_indices]
+    assert sizes == [len(i) for i in full_model.step_indices]
+    for name, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value)
+
+
+def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
+    from tests.test_cli_config import build
+
+    monkeypatch.setattr("sys.argv", ["main.py"])
+    schedule = {
+        "class_path": "lightning_accum.schedules.AdaptiveBatchSize",
+        "init_args": {"max_accumulation_steps": 16},
+    }
+    callback = {"class_path": "lightning_accum.AccumulationScheduler", "init_args": {"schedule": schedule}}
+    config = tmp_path / "adaptive.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    cli = build(tmp_path, f"--config={config}")
+    (scheduler,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationScheduler)]
+    assert isinstance(scheduler.schedule, AdaptiveBatchSize) and scheduler.schedule.max_k == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"min_accumulation_steps": 0}, ValueError, "`min_accumulation_steps` must be an int >= 1"),
+        ({"min_accumulation_steps": 4, "max_accumulation_steps": 2}, ValueError, "`max_accumulation_steps` must be"),
+        ({"factor": 0}, ValueError, "`factor` must be"),
+        ({"lr_scaling": "cubic"}, ValueError, "`lr_scaling` must be"),
+        ({"beta": 1.0}, ValueError, r"`beta` must be a number in \[0, 1\)"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AdaptiveBatchSize(**kwargs)
