@@ -133,6 +133,20 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
     SectionSpec(
+        # Only with AccumulationMonitor(gradient_noise_scale=True): the batch the gradient says is worth it.
+        "Noise scale",
+        (
+            PanelSpec(
+                "Noise scale vs items per step",
+                (keys.GRADIENT_NOISE_SCALE, keys.ITEMS_PER_STEP),
+                "items",
+                _FROM_ZERO,
+                mark_events=True,
+            ),
+            PanelSpec("|G|² and tr(Σ)", (keys.GRAD_SQ_NORM, keys.GRAD_TRACE_COV), "squared gradient norm"),
+        ),
+    ),
+    SectionSpec(
         "Memory",
         (
             PanelSpec(
@@ -169,7 +183,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
 )
-"""The dashboard: sections Batch, Memory, Recovery and Throughput, drawn against `STEP_METRIC`."""
+"""The dashboard: sections Batch, Noise scale, Memory, Recovery and Throughput, drawn against `STEP_METRIC`."""
 
 
 def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]:
@@ -187,7 +201,7 @@ def define_metrics(run: Any) -> None:
     take precedence over the glob.
     """
     run.define_metric(STEP_METRIC)
-    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS):
+    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS):
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
         if key in MAX_SUMMARY_KEYS:
             kwargs["summary"] = "max"

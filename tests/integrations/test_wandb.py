@@ -34,7 +34,7 @@ from lightning_accum.monitoring import BUDGET_FRACTION
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
 
-CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS}
+CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS}
 
 
 def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
@@ -166,7 +166,7 @@ def test_dashboard_spec_is_built_offline_and_names_exactly_the_contract_keys(no_
     assert spec["entity"] == "my-team" and spec["project"] == "my-project"
     assert spec_metric_keys(spec) == CONTRACT_KEYS == set(layout_keys())
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
-    assert [s["name"] for s in sections] == ["Batch", "Memory", "Recovery", "Throughput"]
+    assert [s["name"] for s in sections] == ["Batch", "Noise scale", "Memory", "Recovery", "Throughput"]
     panels = [p for s in sections for p in s["panels"]]
     assert {p["config"]["xAxis"] for p in panels if "xAxis" in p["config"]} == {STEP_METRIC}
     assert spec["spec"]["section"]["settings"]["xAxis"] == STEP_METRIC
