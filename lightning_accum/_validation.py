@@ -11,8 +11,8 @@ ValueError: `grow_patience` must be an int >= 1, got 0. It counts optimizer step
 
 from __future__ import annotations
 
-import importlib
 import math
+import pkgutil
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -191,24 +191,19 @@ def import_object(path: str, name: str) -> Any:
     Raises:
         ValueError: the path is malformed, its module can't be imported, or the module has no such attribute.
     """
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
+    # `pkgutil.resolve_name` reads both forms; it is asked only once the path looks like one, so that a typo gets
+    # our message rather than its own.
+    module_name, sep, attr_path = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr_path or not sep or " " in path:
         raise ValueError(
             f"`{name}={path!r}` is not an import path. Write 'package.module.function' or 'package.module:function'."
         )
     try:
-        target: Any = importlib.import_module(module_name)
+        return pkgutil.resolve_name(path)
     except ImportError as err:
-        raise ValueError(f"`{name}={path!r}`: cannot import module {module_name!r} ({err}).") from err
-    for attr in attr_path.split("."):
-        try:
-            target = getattr(target, attr)
-        except AttributeError as err:
-            raise ValueError(f"`{name}={path!r}`: {module_name!r} has no attribute {attr_path!r}.") from err
-    return target
+        raise ValueError(f"`{name}={path!r}`: cannot import module {err.name or module_name!r} ({err}).") from err
+    except AttributeError as err:
+        raise ValueError(f"`{name}={path!r}`: {module_name!r} has no attribute {attr_path!r}.") from err
 
 
 def as_whole_number(value: Any) -> Any:

@@ -30,10 +30,10 @@ EVENT_KEY_BY_KIND: dict[EventKind, str] = {
 
 
 def to_gib(n_bytes: float) -> float:
-    """Bytes to GiB (2**30 bytes).
+    """Bytes to GiB (`lightning_accum.memory.budget.GIB` bytes).
 
     Examples:
-        >>> to_gib(3 * 1024**3)
+        >>> to_gib(3 * GIB)
         3.0
     """
     return float(n_bytes) / GIB
@@ -43,7 +43,7 @@ def peak_fraction(peak_bytes: float, capacity_bytes: float) -> float:
     """The peak as a fraction of the device's capacity; ``nan`` when the capacity is unknown (0).
 
     Examples:
-        >>> peak_fraction(2 * 1024**3, 8 * 1024**3)
+        >>> peak_fraction(2 * GIB, 8 * GIB)
         0.25
     """
     if capacity_bytes <= 0:
@@ -68,7 +68,7 @@ class StepFigures:
     """Everything logged at one logging step, already global (summed or maxed over ranks).
 
     Attributes:
-        samples_per_step: samples in the last optimizer step, all ranks (the effective batch size).
+        effective_batch_size: samples in the last optimizer step, all ranks.
         micro_batch_size: samples per micro-batch on one rank.
         accumulation_steps: micro-batches per optimizer step on one rank.
         items_per_step: items (samples or tokens) in the last optimizer step, all ranks.
@@ -83,7 +83,7 @@ class StepFigures:
         interval_seconds: wall time of the logging interval, validation excluded.
     """
 
-    samples_per_step: int
+    effective_batch_size: int
     micro_batch_size: int
     accumulation_steps: int
     items_per_step: float
@@ -102,8 +102,9 @@ class StepFigures:
 
         Examples:
             >>> figures = StepFigures(
-            ...     samples_per_step=32, micro_batch_size=4, accumulation_steps=4, items_per_step=32.0, oom_retries=0,
-            ...     window_loss=0.5, peak_bytes=2 * 1024**3, capacity_bytes=8 * 1024**3, peak_reserved_bytes=None,
+            ...     effective_batch_size=32, micro_batch_size=4, accumulation_steps=4, items_per_step=32.0,
+            ...     oom_retries=0, window_loss=0.5, peak_bytes=2 * GIB, capacity_bytes=8 * GIB,
+            ...     peak_reserved_bytes=None,
             ...     budget_fraction=1.0, interval_samples=64, interval_items=64, interval_seconds=2.0,
             ... )
             >>> metrics = figures.as_metrics()
@@ -113,7 +114,7 @@ class StepFigures:
             False
         """
         metrics: dict[str, float] = {
-            keys.EFFECTIVE_BATCH_SIZE: float(self.samples_per_step),
+            keys.EFFECTIVE_BATCH_SIZE: float(self.effective_batch_size),
             keys.MICRO_BATCH_SIZE: float(self.micro_batch_size),
             keys.ACCUMULATION_STEPS: float(self.accumulation_steps),
             keys.ITEMS_PER_STEP: float(self.items_per_step),

@@ -99,13 +99,14 @@ class MicroBatchPlanner:
         grow_patience: consecutive steps under the low watermark before growing.
         oom_cooldown: steps before a size that failed (or any larger one) may be tried again.
         predictive: use the linear memory model; ``False`` halves and doubles.
-        pinned: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no growing past it.
-            An OOM still shrinks it (the alternative is a crash), and it grows back to it after the cool-down.
+        pin_micro_batch_size: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no
+            growing past it. An OOM still shrinks it (the alternative is a crash), and it grows back to it after the
+            cool-down.
         refit_tolerance: a measured peak further than this fraction from the model's prediction starts a new model.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: an argument is out of range, or ``pinned=True`` with ``micro_batch_size="auto"``.
+        ValueError: an argument is out of range, or ``pin_micro_batch_size=True`` with ``micro_batch_size="auto"``.
 
     Examples:
         A 64-sample step batch on a device whose peak is ``1 GiB + 0.1 GiB * b``, with a 3 GiB budget:
@@ -136,7 +137,7 @@ class MicroBatchPlanner:
         grow_patience: int = 20,
         oom_cooldown: int = 200,
         predictive: bool = True,
-        pinned: bool = False,
+        pin_micro_batch_size: bool = False,
         refit_tolerance: float = 0.25,
     ) -> None:
         if micro_batch_size != "auto":
@@ -164,9 +165,9 @@ class MicroBatchPlanner:
         self.grow_patience = check_int(grow_patience, "grow_patience", 1)
         self.oom_cooldown = check_int(oom_cooldown, "oom_cooldown", 0)
         self.predictive = check_bool(predictive, "predictive")
-        self.pinned = check_bool(pinned, "pinned")
-        if pinned and micro_batch_size == "auto":
-            raise ValueError('`pinned=True` needs an int `micro_batch_size` to pin, got "auto".')
+        self.pin_micro_batch_size = check_bool(pin_micro_batch_size, "pin_micro_batch_size")
+        if pin_micro_batch_size and micro_batch_size == "auto":
+            raise ValueError('`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto".')
         self.refit_tolerance = check_number(refit_tolerance, "refit_tolerance", 0, min_inclusive=False)
 
         self.model = LinearPeakModel()
@@ -257,7 +258,7 @@ class MicroBatchPlanner:
         self._last_peak, self._last_size = peak, size
         self._retry_streak = self._retry_streak + 1 if retries > 0 else 0
         budget = self.budget_bytes
-        can_shrink = not self.pinned and size > self.min_micro_batch_size
+        can_shrink = not self.pin_micro_batch_size and size > self.min_micro_batch_size
 
         if budget is not None and peak > budget and can_shrink:
             target = self._shrink_target(size, peak, budget)
@@ -334,7 +335,7 @@ class MicroBatchPlanner:
 
     def _grow_target(self, size: int, peak: float, budget: float, step: int) -> int | None:
         cap = self._step_batch_size or size
-        if self.pinned and isinstance(self.micro_batch_size_setting, int):
+        if self.pin_micro_batch_size and isinstance(self.micro_batch_size_setting, int):
             cap = min(cap, self.micro_batch_size_setting)
         ceiling = self.cooling_down_from(step)
         allowed = cap if ceiling is None else min(cap, ceiling - 1)

@@ -75,8 +75,8 @@ def run(
         ({"grow_patience": 0}, ValueError, r"`grow_patience` must be an int >= 1, got 0"),
         ({"oom_cooldown": -1}, ValueError, r"`oom_cooldown` must be an int >= 0, got -1"),
         ({"predictive": 1}, TypeError, r"`predictive` must be a bool, got 1 of type int"),
-        ({"pinned": "yes"}, TypeError, r"`pinned` must be a bool, got 'yes' of type str"),
-        ({"pinned": True}, ValueError, r"`pinned=True` needs an int `micro_batch_size`"),
+        ({"pin_micro_batch_size": "yes"}, TypeError, r"`pin_micro_batch_size` must be a bool, got 'yes' of type str"),
+        ({"pin_micro_batch_size": True}, ValueError, r"`pin_micro_batch_size=True` needs an int `micro_batch_size`"),
     ],
 )
 def test_validation(kwargs: dict, error: type[Exception], match: str):
@@ -200,7 +200,7 @@ def test_alloc_retries_on_two_consecutive_steps_shrink():
 
 
 def test_pinned_size_does_not_shrink_on_pressure():
-    p = planner(micro_batch_size=32, pinned=True)
+    p = planner(micro_batch_size=32, pin_micro_batch_size=True)
     p.size_for(64)
     assert p.on_step(32, 1.05 * BUDGET, step=0, alloc_retries_delta=1) == 32
     assert p.on_step(32, 1.05 * BUDGET, step=1, alloc_retries_delta=1) == 32
@@ -208,7 +208,7 @@ def test_pinned_size_does_not_shrink_on_pressure():
 
 
 def test_pinned_size_recovers_from_an_oom_and_grows_back_to_the_pin_only():
-    p = planner(micro_batch_size=32, pinned=True, grow_patience=1, oom_cooldown=5)
+    p = planner(micro_batch_size=32, pin_micro_batch_size=True, grow_patience=1, oom_cooldown=5)
     size = p.size_for(64)
     size = p.on_oom(size, step=0)
     sizes = [size]

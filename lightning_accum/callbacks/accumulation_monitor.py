@@ -240,7 +240,7 @@ class AccumulationMonitor(Callback):
         peak, peak_reserved, capacity = self._memory(trainer, interval.peak_bytes)
         budget = None if last.budget_bytes is None else int(last.budget_bytes)
         figures = StepFigures(
-            samples_per_step=last.effective_batch_size,
+            effective_batch_size=last.effective_batch_size,
             micro_batch_size=last.micro_batch_size,
             accumulation_steps=last.accumulation_steps,
             items_per_step=last.items,

@@ -150,7 +150,7 @@ class AutoMicroBatching(AccumulationOwner):
             grow_patience=grow_patience,
             oom_cooldown=oom_cooldown,
             predictive=predictive,
-            pinned=pin_micro_batch_size,
+            pin_micro_batch_size=pin_micro_batch_size,
         )
         self.gradient_allreduces = 0  # collectives issued by the deferred gradient sync, for tests and benchmarks
 
@@ -233,7 +233,7 @@ class AutoMicroBatching(AccumulationOwner):
             "memory_capacity_bytes": self._capacity_bytes,
             "min_micro_batch_size": planner.min_micro_batch_size,
             **super().settings(),
-            "pin_micro_batch_size": planner.pinned,
+            "pin_micro_batch_size": planner.pin_micro_batch_size,
             "low_watermark": planner.low_watermark,
             "grow_patience": planner.grow_patience,
             "oom_cooldown": planner.oom_cooldown,

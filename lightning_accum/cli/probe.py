@@ -25,6 +25,7 @@ import torch
 
 import lightning_accum
 from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, positive_float
+from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.fake import TARGETS
 from lightning_accum.memory.precision import PRECISIONS
 from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
@@ -200,7 +201,7 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
         device=device,
         target=args.target,
         precision=args.precision,
-        budget_bytes=None if args.budget_gib is None else args.budget_gib * 2**30,
+        budget_bytes=None if args.budget_gib is None else args.budget_gib * GIB,
         module_init_args=module_init_args,
         data_init_args=data_init_args,
     )

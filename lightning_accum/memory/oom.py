@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum.memory.backends import trim_cpu_heap
+from lightning_accum.memory.budget import GIB
 
 Phase = Literal["forward", "backward"]
 OOMFlavor = Literal["cpu", "cuda"]
@@ -119,7 +120,7 @@ def release_memory() -> None:
         torch.mps.empty_cache()
 
 
-def oom_error(flavor: OOMFlavor = "cpu", nbytes: int = 2 * 1024**3, detail: str = "") -> RuntimeError:
+def oom_error(flavor: OOMFlavor = "cpu", nbytes: int = 2 * GIB, detail: str = "") -> RuntimeError:
     """An exception that looks exactly like the one the ``flavor`` allocator raises when ``nbytes`` don't fit.
 
     Args:
@@ -141,7 +142,7 @@ def oom_error(flavor: OOMFlavor = "cpu", nbytes: int = 2 * 1024**3, detail: str 
             f" allocate {nbytes} bytes. Error code 12 (Cannot allocate memory){tail}"
         )
     if flavor == "cuda":
-        gib = nbytes / 1024**3
+        gib = nbytes / GIB
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {gib:.2f} GiB. GPU 0 has a total capacity of 79.11 GiB of which"
             f" {gib / 2:.2f} GiB is free.{tail}"

@@ -7,13 +7,14 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.tracker import CATEGORIES
 
 if TYPE_CHECKING:
     from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
 _MiB = 2**20
-_GiB = 2**30
+_GiB = GIB
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52"}
 
 
