@@ -72,3 +72,11 @@ def test_ddp_reducer_calls_split_mode_drives_by_hand_exist():
 
     for name in ("prepare_for_forward", "prepare_for_backward", "_rebuild_buckets"):
         assert callable(getattr(Reducer, name)), name
+
+
+def test_callback_metrics_is_the_connectors_own_dict(tmp_path):
+    # `set_callback_metrics` relies on the property handing out the dict it keeps, not a copy.
+    trainer = make_trainer(tmp_path)
+    _compat.set_callback_metrics(trainer, {"accum/window_loss": 0.5})
+    assert trainer.callback_metrics is trainer.callback_metrics
+    assert float(trainer.callback_metrics["accum/window_loss"]) == 0.5

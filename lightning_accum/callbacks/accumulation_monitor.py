@@ -39,7 +39,7 @@ class AccumulationMonitor(Callback):
     is in the Trainer, and are counted from the batches otherwise (plain ``Trainer(accumulate_grad_batches=k)``).
     Metrics go to every logger in ``trainer.loggers`` on rank zero, on Lightning's own step axis: the step that
     ``self.log``, ``LearningRateMonitor`` and ``ThroughputMonitor`` use for the same optimizer step (the first step
-    is 0). They also reach ``trainer.callback_metrics`` (through ``self.log(..., logger=False)``), so
+    is 0). They also reach ``trainer.callback_metrics``, so
     ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them. With a ``WandbLogger``,
     the keys are also defined against ``trainer/global_step`` (memory peaks summarised by their maximum) and the
     accumulation settings are put into the run config under ``lightning_accum``.
@@ -210,7 +210,7 @@ class AccumulationMonitor(Callback):
         step = _compat.logging_step(trainer)
         interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
         if interval > 0 and (step + 1) % interval == 0:
-            self._log(trainer, pl_module, step)
+            self._log(trainer, step)
 
     def _step_report(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> StepReport | None:
         """The report of the optimizer step that just ended, or ``None`` inside a window."""
@@ -231,7 +231,7 @@ class AccumulationMonitor(Callback):
     # ----------------------------------------------------------------------------------------------------------
     # logging steps: the only place that synchronizes
     # ----------------------------------------------------------------------------------------------------------
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+    def _log(self, trainer: pl.Trainer, step: int) -> None:
         # Every rank runs this block in the same order: it holds collectives.
         interval, last = self._interval, self._interval.last
         assert last is not None
@@ -259,14 +259,8 @@ class AccumulationMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
-        # EarlyStopping; the loggers were served above, at this step, so Lightning must not log them again.
-        pl_module.log_dict(
-            {key: float(value) for key, value in {**figures.as_metrics(), **self._noise_metrics()}.items()},
-            logger=False,
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-        )
+        # EarlyStopping; the loggers were served above, at this step.
+        _compat.set_callback_metrics(trainer, {**figures.as_metrics(), **self._noise_metrics()})
         interval.reset()
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
