@@ -68,16 +68,24 @@ class RegressionModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def quiet_trainer_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """`pl.Trainer` arguments for a run that writes nothing: no logger, checkpoint, progress bar or model summary."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return {**quiet, **kwargs}
+
+
 def make_trainer(tmp_path: Any, callbacks: Sequence[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = {
         "default_root_dir": tmp_path,
         "accelerator": "cpu",
         "devices": 1,
         "max_epochs": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
+        **quiet_trainer_kwargs(),
         "num_sanity_val_steps": 0,
         "log_every_n_steps": 1,  # tiny runs: log (and let AccumulationMonitor log) every optimizer step
     }

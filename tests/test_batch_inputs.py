@@ -17,20 +17,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+import tests.helpers as h
 from lightning_accum import AccumulationScheduler, AutoMicroBatching
-from tests.helpers import (
-    FP32,
-    IndexedDataset,
-    RegressionModel,
-    TokenDataset,
-    TokenModel,
-    assert_grads_close,
-    count_tokens,
-    make_trainer,
-    mse_loss,
-    replay_reference,
-    token_loss,
-)
 
 # ---- a 0-dim tensor first in a dict batch (window mode) -------------------------------------------------------------
 
@@ -43,24 +31,24 @@ def _with_shared_scalar_first(samples: list[dict[str, Tensor]]) -> dict[str, Ten
 def test_a_0_dim_tensor_first_in_the_batch_does_not_set_the_batch_size(tmp_path):
     # 10 samples in micro-batches of 4, 4 and 2, one window of k=3: reading each micro-batch as 1 sample would
     # weight the 2-sample micro-batch like the others (a mean of means) and count 3 consumed samples.
-    dataset = IndexedDataset(10)
-    model = RegressionModel()
+    dataset = h.IndexedDataset(10)
+    model = h.RegressionModel()
     initial = copy.deepcopy(model)
     scheduler = AccumulationScheduler(3)
     loader = DataLoader(dataset, batch_size=4, collate_fn=_with_shared_scalar_first)
-    make_trainer(tmp_path, [scheduler]).fit(model, loader)
+    h.make_trainer(tmp_path, [scheduler]).fit(model, loader)
 
     assert model.step_indices == [list(range(10))]
     assert scheduler.consumed_samples == 10
     assert scheduler.last_step_report.effective_batch_size == 10
-    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
-    assert_grads_close(model.step_grads, expected, **FP32)
+    expected = h.replay_reference(initial, dataset, model.step_indices, h.mse_loss, lr=0.1)
+    h.assert_grads_close(model.step_grads, expected, **h.FP32)
 
 
 # ---- float item counts (window mode) --------------------------------------------------------------------------------
 
 
-def _float_weights(dataset: TokenDataset, kind: str) -> TokenDataset:
+def _float_weights(dataset: h.TokenDataset, kind: str) -> h.TokenDataset:
     if kind == "megatron-mask":
         dataset.mask = dataset.mask.float()  # Megatron's loss mask: 0.0 / 1.0
     else:
@@ -73,28 +61,28 @@ def _float_weights(dataset: TokenDataset, kind: str) -> TokenDataset:
 def test_float_item_counts_give_the_exact_weighted_mean(tmp_path, kind):
     # `count_items` returns `mask.sum()` over a float mask; the loss is sum(w * l) / sum(w) per micro-batch, and the
     # window's gradient must be that of sum(w * l) / sum(w) over the whole window, not a mean of the ratios.
-    dataset = _float_weights(TokenDataset(30), kind)
-    model = TokenModel(lr=0.05)
+    dataset = _float_weights(h.TokenDataset(30), kind)
+    model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
-    scheduler = AccumulationScheduler(3, count_items=count_tokens)
-    make_trainer(tmp_path, [scheduler]).fit(model, DataLoader(dataset, batch_size=4))
+    scheduler = AccumulationScheduler(3, count_items=h.count_tokens)
+    h.make_trainer(tmp_path, [scheduler]).fit(model, DataLoader(dataset, batch_size=4))
 
     assert len(model.step_grads) == 3  # 8 micro-batches: windows of 3, 3, 2
-    expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
-    assert_grads_close(model.step_grads, expected, **FP32)
+    expected = h.replay_reference(initial, dataset, model.step_indices, h.token_loss, lr=0.05)
+    h.assert_grads_close(model.step_grads, expected, **h.FP32)
     last_window = dataset.mask[model.step_indices[-1]]
     assert scheduler.last_step_report.items == pytest.approx(float(last_window.double().sum()), rel=1e-6)
 
 
 def test_float_item_counts_are_not_a_mean_of_means(tmp_path):
     # Guard that the float test can fail: weighting each micro-batch by its sample count gives another gradient.
-    dataset = _float_weights(TokenDataset(30), "sample-weights")
-    model = TokenModel(lr=0.05)
+    dataset = _float_weights(h.TokenDataset(30), "sample-weights")
+    model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
-    make_trainer(tmp_path, [AccumulationScheduler(3)]).fit(model, DataLoader(dataset, batch_size=4))
-    expected = replay_reference(initial, dataset, model.step_indices, token_loss, lr=0.05)
+    h.make_trainer(tmp_path, [AccumulationScheduler(3)]).fit(model, DataLoader(dataset, batch_size=4))
+    expected = h.replay_reference(initial, dataset, model.step_indices, h.token_loss, lr=0.05)
     with pytest.raises(AssertionError):
-        assert_grads_close(model.step_grads, expected, **FP32)
+        h.assert_grads_close(model.step_grads, expected, **h.FP32)
 
 
 # ---- custom batch objects (window mode) -----------------------------------------------------------------------------
@@ -126,7 +114,7 @@ def _collate_into(cls: type[RegressionBatch]):
     return collate
 
 
-class AttributeRegressionModel(RegressionModel):
+class AttributeRegressionModel(h.RegressionModel):
     def training_step(self, batch: RegressionBatch, batch_idx: int) -> Tensor:
         self._window_indices.extend(batch.index.tolist())
         return nn.functional.mse_loss(self.layer(batch.x), batch.y)
@@ -135,16 +123,16 @@ class AttributeRegressionModel(RegressionModel):
 @pytest.mark.parametrize("batch_cls", [RegressionBatch, SizedRegressionBatch], ids=["batch_size", "len"])
 @pytest.mark.parametrize("count_items", [None, lambda b: b.x.shape[0]], ids=["samples", "count_items"])
 def test_custom_batch_objects_count_their_samples(tmp_path, batch_cls, count_items):
-    dataset = IndexedDataset(10)
+    dataset = h.IndexedDataset(10)
     model = AttributeRegressionModel()
     initial = copy.deepcopy(model)
     scheduler = AccumulationScheduler(3, count_items=count_items)
     loader = DataLoader(dataset, batch_size=4, collate_fn=_collate_into(batch_cls))
-    make_trainer(tmp_path, [scheduler]).fit(model, loader)
+    h.make_trainer(tmp_path, [scheduler]).fit(model, loader)
 
     assert scheduler.consumed_samples == 10
-    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.1)
-    assert_grads_close(model.step_grads, expected, **FP32)
+    expected = h.replay_reference(initial, dataset, model.step_indices, h.mse_loss, lr=0.1)
+    h.assert_grads_close(model.step_grads, expected, **h.FP32)
 
 
 class OpaqueBatch:
@@ -157,14 +145,14 @@ def test_a_custom_batch_without_a_sample_count_names_the_hooks(tmp_path):
         batch = default_collate(samples)
         return OpaqueBatch(batch["x"], batch["y"])
 
-    class Model(RegressionModel):
+    class Model(h.RegressionModel):
         def training_step(self, batch, batch_idx):
             return nn.functional.mse_loss(self.layer(batch.x), batch.y)
 
     scheduler = AccumulationScheduler(2, count_items=lambda b: b.x.shape[0])
-    trainer = make_trainer(tmp_path, [scheduler])
+    trainer = h.make_trainer(tmp_path, [scheduler])
     with pytest.raises(TypeError, match=r"OpaqueBatch.*`batch_size` attribute.*`__len__`.*`batch_size_of=`") as info:
-        trainer.fit(Model(), DataLoader(IndexedDataset(8), batch_size=4, collate_fn=collate))
+        trainer.fit(Model(), DataLoader(h.IndexedDataset(8), batch_size=4, collate_fn=collate))
     assert "pass `count_items`" not in str(info.value).lower()
 
 
@@ -200,7 +188,7 @@ def detection_loss(model: nn.Module, images: Any, targets: Any) -> Tensor:
     return torch.stack(losses).mean()
 
 
-class DetectionModel(RegressionModel):
+class DetectionModel(h.RegressionModel):
     def __init__(self, form: str) -> None:
         super().__init__(dim=3 * 4 * 4)
         self.layer = nn.Linear(3 * 4 * 4, 4)
@@ -230,7 +218,7 @@ def test_detection_batches_are_split_into_exact_micro_batches(tmp_path, form):
     initial = copy.deepcopy(model)
     callback = AutoMicroBatching(2)
     loader = DataLoader(dataset, batch_size=5, collate_fn=_collate(form))
-    make_trainer(tmp_path, [callback]).fit(model, loader)
+    h.make_trainer(tmp_path, [callback]).fit(model, loader)
 
     assert model.micro_batch_sizes == [2, 2, 1, 2, 2, 1]  # two steps of 5 images
     assert callback.last_step_report.effective_batch_size == 5
@@ -245,7 +233,7 @@ def test_detection_batches_are_split_into_exact_micro_batches(tmp_path, form):
         with torch.no_grad():
             for name, p in reference.named_parameters():
                 p -= 0.1 * grads[name]
-    assert_grads_close(model.step_grads, expected, **FP32)
+    h.assert_grads_close(model.step_grads, expected, **h.FP32)
 
 
 # ---- the user's own hooks, wired into the callbacks ------------------------------------------------------------------
@@ -275,7 +263,7 @@ def collate_pairs(samples: list[dict[str, Tensor]]) -> PairBatch:
     return PairBatch([(s["x"], s["y"]) for s in samples])
 
 
-class PairModel(RegressionModel):
+class PairModel(h.RegressionModel):
     def __init__(self) -> None:
         super().__init__()
         self.split_mode = True
@@ -298,7 +286,7 @@ class PairModelWithHooks(PairModel):
         return count_pairs(batch)
 
 
-def _pair_reference(initial: nn.Module, dataset: IndexedDataset, step_batch: int, steps: int) -> list[dict]:
+def _pair_reference(initial: nn.Module, dataset: h.IndexedDataset, step_batch: int, steps: int) -> list[dict]:
     reference, expected = copy.deepcopy(initial), []
     for step in range(steps):
         rows = slice(step * step_batch, (step + 1) * step_batch)
@@ -314,7 +302,7 @@ def _pair_reference(initial: nn.Module, dataset: IndexedDataset, step_batch: int
 
 @pytest.mark.parametrize("where", ["arguments", "import-paths", "module-methods"])
 def test_split_mode_uses_the_users_hooks(tmp_path, where):
-    dataset = IndexedDataset(12)
+    dataset = h.IndexedDataset(12)
     if where == "module-methods":
         model, callback = PairModelWithHooks(), AutoMicroBatching(4)
     elif where == "arguments":
@@ -324,19 +312,19 @@ def test_split_mode_uses_the_users_hooks(tmp_path, where):
         model = PairModel()
         callback = AutoMicroBatching(4, split_batch=paths["split_pairs"], batch_size_of=paths["count_pairs"])
     initial = copy.deepcopy(model)
-    make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=6, collate_fn=collate_pairs))
+    h.make_trainer(tmp_path, [callback]).fit(model, DataLoader(dataset, batch_size=6, collate_fn=collate_pairs))
 
     assert model.micro_batch_sizes == [3, 3, 3, 3]  # two step batches of 6, cut by the hook into 2 balanced halves
     assert callback.last_step_report.effective_batch_size == 6
-    assert_grads_close(model.step_grads, _pair_reference(initial, dataset, 6, 2), **FP32)
+    h.assert_grads_close(model.step_grads, _pair_reference(initial, dataset, 6, 2), **h.FP32)
     settings = callback.settings()
     expected_source = "PairModelWithHooks." if where == "module-methods" else "argument"
     assert expected_source in settings["split_batch"] and expected_source in settings["batch_size_of"]
 
 
 def test_without_hooks_the_opaque_batch_is_a_clear_error(tmp_path):
-    trainer = make_trainer(tmp_path, [AutoMicroBatching(4)])
-    loader = DataLoader(IndexedDataset(12), batch_size=6, collate_fn=collate_pairs)
+    trainer = h.make_trainer(tmp_path, [AutoMicroBatching(4)])
+    loader = DataLoader(h.IndexedDataset(12), batch_size=6, collate_fn=collate_pairs)
     with pytest.raises(TypeError, match=r"PairBatch.*pass `batch_size_of=`"):
         trainer.fit(PairModel(), loader)
 
@@ -349,8 +337,8 @@ def test_window_mode_counts_samples_with_the_modules_batch_size_of(tmp_path):
 
     scheduler = AccumulationScheduler(2)
     model = Model()
-    make_trainer(tmp_path, [scheduler]).fit(
-        model, DataLoader(IndexedDataset(12), batch_size=3, collate_fn=collate_pairs)
+    h.make_trainer(tmp_path, [scheduler]).fit(
+        model, DataLoader(h.IndexedDataset(12), batch_size=3, collate_fn=collate_pairs)
     )
     assert scheduler.consumed_samples == 12
     assert scheduler.last_step_report.effective_batch_size == 6

@@ -44,6 +44,17 @@ def build(tmp_path: Path, *args: str, subcommand: str | None = None) -> CharLMCL
     return main(args=[subcommand, *args, *quiet])
 
 
+def build_from(tmp_path: Path, config: str | Path, *args: str, subcommand: str | None = None) -> CharLMCLI:
+    """`build` from a config: the name of a shipped one, or a path."""
+    path = CONFIGS / config if isinstance(config, str) else config
+    return build(tmp_path, f"--config={path}", *args, subcommand=subcommand)
+
+
+def fit_tiny(tmp_path: Path, config: str | Path, *args: str) -> CharLMCLI:
+    """Fit the tiny model from a config."""
+    return build_from(tmp_path, config, *TINY, *args, subcommand="fit")
+
+
 def scheduler_of(cli: CharLMCLI) -> AccumulationScheduler:
     found = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationScheduler)]
     assert len(found) == 1, f"expected one AccumulationScheduler, got {cli.trainer.callbacks}"
@@ -56,7 +67,7 @@ def first_batch(cli: CharLMCLI) -> dict[str, Any]:
 
 
 def test_window_ramp_config(tmp_path: Path) -> None:
-    cli = build(tmp_path, f"--config={CONFIGS / 'window_ramp.yaml'}")
+    cli = build_from(tmp_path, "window_ramp.yaml")
     scheduler = scheduler_of(cli)
     ramp = scheduler.schedule
     assert isinstance(ramp, BatchSizeRamp)
@@ -77,7 +88,7 @@ def test_window_ramp_config(tmp_path: Path) -> None:
 
 
 def test_ddp_cpu_config_parses(tmp_path: Path) -> None:
-    cli = build(tmp_path, f"--config={CONFIGS / 'ddp_cpu.yaml'}")
+    cli = build_from(tmp_path, "ddp_cpu.yaml")
     trainer = cli.trainer
     assert isinstance(trainer.strategy, DDPStrategy) and isinstance(trainer.accelerator, CPUAccelerator)
     assert trainer.num_devices == 2
@@ -101,7 +112,7 @@ def test_mapping_schedule_with_int_keys_from_yaml(tmp_path: Path) -> None:
         "        schedule: {0: 1, 2: 4}\n"
         "        unit: epoch\n"
     )
-    scheduler = scheduler_of(build(tmp_path, f"--config={config}"))
+    scheduler = scheduler_of(build_from(tmp_path, config))
     assert isinstance(scheduler.schedule, StepwiseSchedule)
     assert scheduler.schedule.milestones == {0: 1, 2: 4} and scheduler.unit == "epoch"
     assert [scheduler.schedule.accumulation_steps(Progress(epoch=e)) for e in range(4)] == [1, 1, 4, 4]
@@ -123,9 +134,9 @@ def test_scheduler_appended_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_command_line_overrides_the_shipped_config(tmp_path: Path) -> None:
-    cli = build(
+    cli = build_from(
         tmp_path,
-        f"--config={CONFIGS / 'window_ramp.yaml'}",
+        "window_ramp.yaml",
         "--trainer.callbacks.schedule.target=128",
         "--trainer.callbacks.count_items.ignore_index=0",
         "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
@@ -140,15 +151,13 @@ def test_command_line_overrides_the_shipped_config(tmp_path: Path) -> None:
 def test_fit_from_the_shipped_config_follows_the_ramp(tmp_path: Path) -> None:
     # A ramp over 32 samples with micro-batches of 16: windows of 1 and 2 micro-batches, then k=4 cut short by the
     # epoch's end after 4 micro-batches.
-    cli = build(
+    cli = fit_tiny(
         tmp_path,
-        f"--config={CONFIGS / 'window_ramp.yaml'}",
-        *TINY,
+        "window_ramp.yaml",
         "--trainer.callbacks.schedule.ramp_samples=32",
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=4",
         "--trainer.limit_val_batches=1",
-        subcommand="fit",
     )
     scheduler = scheduler_of(cli)
     last = scheduler.last_step_report
@@ -163,14 +172,14 @@ def test_fit_from_the_shipped_config_follows_the_ramp(tmp_path: Path) -> None:
     # Drop the `fit` options (ckpt_path, ...): the parser without a subcommand has no such keys.
     saved = {key: saved[key] for key in ("seed_everything", "trainer", "model", "data")}
     (tmp_path / "saved.yaml").write_text(yaml.safe_dump(saved))
-    rebuilt = scheduler_of(build(tmp_path / "again", f"--config={tmp_path / 'saved.yaml'}"))
+    rebuilt = scheduler_of(build_from(tmp_path / "again", tmp_path / "saved.yaml"))
     assert repr(rebuilt.schedule) == repr(scheduler.schedule) and rebuilt.count_items == scheduler.count_items
 
 
 def test_split_auto_config_builds_auto_micro_batching_and_the_monitor(tmp_path: Path) -> None:
     from lightning_accum import AccumulationMonitor, AutoMicroBatching
 
-    cli = build(tmp_path, f"--config={CONFIGS / 'split_auto.yaml'}")
+    cli = build_from(tmp_path, "split_auto.yaml")
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationMonitor)]
     assert splitter.max_memory == 0.8
@@ -190,7 +199,7 @@ def test_max_memory_in_bytes_survives_yaml(tmp_path: Path) -> None:
         config = tmp_path / "bytes.yaml"
         callback = {"class_path": "lightning_accum.AutoMicroBatching", "init_args": {"max_memory": value}}
         config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
-        cli = build(tmp_path, f"--config={config}")
+        cli = build_from(tmp_path, config)
         budgets += [cb.max_memory for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     assert budgets == [8 * 2**30, 6 * 2**30]
 
@@ -198,13 +207,11 @@ def test_max_memory_in_bytes_survives_yaml(tmp_path: Path) -> None:
 def test_fit_from_the_split_config(tmp_path: Path) -> None:
     from lightning_accum import AutoMicroBatching
 
-    cli = build(
+    cli = fit_tiny(
         tmp_path,
-        f"--config={CONFIGS / 'split_auto.yaml'}",
-        *TINY,
+        "split_auto.yaml",
         "--data.batch_size=16",
         "--trainer.max_steps=3",
-        subcommand="fit",
     )
     assert cli.trainer.global_step == 3
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
@@ -229,7 +236,7 @@ def test_the_shipped_config_takes_a_command_line_override_of_its_main_callback(t
     from lightning_accum import AutoMicroBatching
 
     override, attribute, expected = SHIPPED_OVERRIDES[name]
-    cli = build(tmp_path, f"--config={CONFIGS / name}", override)
+    cli = build_from(tmp_path, name, override)
     (owner,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, (AutoMicroBatching, AccumulationScheduler))]
     assert getattr(owner, attribute) == expected
     callbacks = yaml.safe_load((CONFIGS / name).read_text())["trainer"]["callbacks"]
@@ -247,14 +254,12 @@ def test_callback_order_in_the_yaml_does_not_change_the_run(tmp_path: Path) -> N
     (tmp_path / "swapped.yaml").write_text(yaml.safe_dump(swapped))
     runs = []
     for config in (CONFIGS / "split_auto.yaml", tmp_path / "swapped.yaml"):
-        cli = build(
+        cli = fit_tiny(
             tmp_path / config.stem,
-            f"--config={config}",
-            *TINY,
+            config,
             "--data.batch_size=16",
             "--trainer.max_steps=2",
             "--trainer.limit_val_batches=0",
-            subcommand="fit",
         )
         callbacks = cli.trainer.callbacks
         assert isinstance(callbacks[0], AutoMicroBatching)
@@ -271,9 +276,9 @@ def test_the_documented_ways_to_reach_a_callback_that_is_not_last(tmp_path: Path
     from lightning_accum import AccumulationMonitor, AutoMicroBatching
 
     # Two overrides of the shipped window config's scheduler, as docs/cli.md shows them.
-    cli = build(
+    cli = build_from(
         tmp_path,
-        f"--config={CONFIGS / 'window_ramp.yaml'}",
+        "window_ramp.yaml",
         "--trainer.callbacks.loss_reduction=sum",
         "--trainer.callbacks.schedule.target=128",
     )
@@ -281,9 +286,9 @@ def test_the_documented_ways_to_reach_a_callback_that_is_not_last(tmp_path: Path
     assert scheduler.loss_reduction == "sum" and scheduler.schedule.target == 128
 
     # The whole list again, with the config's classes in the config's order: merged entry by entry.
-    cli = build(
+    cli = build_from(
         tmp_path,
-        f"--config={CONFIGS / 'split_auto.yaml'}",
+        "split_auto.yaml",
         "--trainer.callbacks=[{class_path: lightning_accum.AccumulationMonitor, init_args: {logging_interval: 10}},"
         " {class_path: lightning_accum.AutoMicroBatching}]",
     )
@@ -293,9 +298,9 @@ def test_the_documented_ways_to_reach_a_callback_that_is_not_last(tmp_path: Path
     assert (splitter.max_memory, splitter.count_items, splitter.planner.grow_patience) == (0.8, CountTokens(), 20)
 
     # A list of other classes replaces the config's, arguments and all.
-    cli = build(
+    cli = build_from(
         tmp_path,
-        f"--config={CONFIGS / 'split_auto.yaml'}",
+        "split_auto.yaml",
         "--trainer.callbacks=[{class_path: lightning_accum.AutoMicroBatching, init_args: {max_memory: 1GiB}}]",
     )
     (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
@@ -314,6 +319,6 @@ def test_batch_hooks_from_yaml_as_import_paths(tmp_path: Path) -> None:
     config = tmp_path / "hooks.yaml"
     callback = {"class_path": "lightning_accum.AutoMicroBatching", "init_args": init_args}
     config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
-    cli = build(tmp_path, f"--config={config}")
+    cli = build_from(tmp_path, config)
     (built,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     assert built._hooks.split_batch is split_pairs and built._hooks.batch_size_of is count_pairs

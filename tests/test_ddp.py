@@ -15,16 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
+import tests.helpers as h
 from lightning_accum import AccumulationScheduler, ManualAccumulation
-from tests.helpers import (
-    TokenDataset,
-    TokenModel,
-    assert_grads_close,
-    count_tokens,
-    make_trainer,
-    replay_reference,
-    token_loss,
-)
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
 
@@ -59,7 +51,7 @@ class CountAllReduces(pl.Callback):
 
 def ddp_trainer(tmp_path: Any, callbacks: Sequence[pl.Callback], **kwargs: Any) -> pl.Trainer:
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
-    return make_trainer(tmp_path, callbacks, strategy=strategy, devices=2, **kwargs)
+    return h.make_trainer(tmp_path, callbacks, strategy=strategy, devices=2, **kwargs)
 
 
 def load_ranks(out_dir: Any) -> list[dict[str, Any]]:
@@ -69,10 +61,10 @@ def load_ranks(out_dir: Any) -> list[dict[str, Any]]:
 def test_window_mode_is_exact_across_ranks_with_one_allreduce_per_step(tmp_path):
     # 30 sequences with random token counts: 15 per rank, micro-batches of 4, so 4 micro-batches per rank per epoch
     # and k=3 gives a full window and a 1-batch tail. Ranks hold different token counts in every window.
-    dataset = TokenDataset(30)
-    model = TokenModel(lr=0.05)
+    dataset = h.TokenDataset(30)
+    model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
-    scheduler = AccumulationScheduler(3, count_items=count_tokens)
+    scheduler = AccumulationScheduler(3, count_items=h.count_tokens)
     trainer = ddp_trainer(tmp_path, [scheduler, CountAllReduces(str(tmp_path))], max_epochs=2)
     trainer.fit(model, DataLoader(dataset, batch_size=4))
 
@@ -81,17 +73,17 @@ def test_window_mode_is_exact_across_ranks_with_one_allreduce_per_step(tmp_path)
     assert steps == 4
     assert [r["allreduces"] for r in ranks] == [steps, steps]  # one bucket (a tiny model) per optimizer step
     # Same gradient on both ranks, equal to the token mean over the union of what both ranks saw.
-    assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+    h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
     windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=False)]
     tokens = [
         [int(dataset.mask[i].sum()) for i in idx] for idx in (ranks[0]["step_indices"][0], ranks[1]["step_indices"][0])
     ]
     assert sum(tokens[0]) != sum(tokens[1]), "the ranks must hold different token counts for this test to bite"
-    expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
-    assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+    expected = h.replay_reference(initial, dataset, windows, h.token_loss, lr=0.05)
+    h.assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
 
 
-class ManualModel(TokenModel):
+class ManualModel(h.TokenModel):
     """Manual optimization, with the helper or with Lightning's documented recipe (backward on every micro-batch)."""
 
     def __init__(self, use_helper: bool, k: int = 4) -> None:
@@ -99,12 +91,12 @@ class ManualModel(TokenModel):
         self.automatic_optimization = False
         self.use_helper = use_helper
         self.k = k
-        self.accumulation = ManualAccumulation(k, count_items=count_tokens)
+        self.accumulation = ManualAccumulation(k, count_items=h.count_tokens)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._window_indices.extend(batch["index"].tolist())
         optimizer = self.optimizers()
-        loss = token_loss(self, batch)
+        loss = h.token_loss(self, batch)
         if self.use_helper:
             ready = self.accumulation.backward(self, loss, batch)
         else:
@@ -121,7 +113,7 @@ class ManualModel(TokenModel):
 @pytest.mark.parametrize(("use_helper", "expected_allreduces"), [(False, 16), (True, 4)])
 def test_manual_optimization_helper_syncs_once_per_step_and_is_exact(tmp_path, use_helper, expected_allreduces):
     # 64 sequences, 2 per micro-batch: 16 micro-batches per rank, k=4, so 4 optimizer steps.
-    dataset = TokenDataset(64)
+    dataset = h.TokenDataset(64)
     model = ManualModel(use_helper)
     initial = copy.deepcopy(model)
     trainer = ddp_trainer(tmp_path, [CountAllReduces(str(tmp_path))])
@@ -132,16 +124,16 @@ def test_manual_optimization_helper_syncs_once_per_step_and_is_exact(tmp_path, u
     assert [r["allreduces"] for r in ranks] == [expected_allreduces] * 2
     if use_helper:
         windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=False)]
-        expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
-        assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+        expected = h.replay_reference(initial, dataset, windows, h.token_loss, lr=0.05)
+        h.assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_sync_every_micro_batch_trades_communication_for_memory_and_stays_exact(tmp_path):
     # The FSDP memory choice, measured on DDP: every micro-batch is all-reduced (k per step), the result is the same.
-    dataset = TokenDataset(30)
-    model = TokenModel(lr=0.05)
+    dataset = h.TokenDataset(30)
+    model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
-    scheduler = AccumulationScheduler(3, count_items=count_tokens, sync_every_micro_batch=True)
+    scheduler = AccumulationScheduler(3, count_items=h.count_tokens, sync_every_micro_batch=True)
     trainer = ddp_trainer(tmp_path, [scheduler, CountAllReduces(str(tmp_path))], max_epochs=1)
     trainer.fit(model, DataLoader(dataset, batch_size=4))
 
@@ -149,5 +141,5 @@ def test_sync_every_micro_batch_trades_communication_for_memory_and_stays_exact(
     assert ranks[0]["optimizer_steps"] == 2  # windows of 3 and 1 micro-batches
     assert [r["allreduces"] for r in ranks] == [4, 4]  # one per micro-batch
     windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
-    expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
-    assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+    expected = h.replay_reference(initial, dataset, windows, h.token_loss, lr=0.05)
+    h.assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)

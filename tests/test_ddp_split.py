@@ -37,6 +37,11 @@ class SplitModel(TokenModel):
 
 
 class SaveSplitFigures(CountAllReduces):
+    """Adds what the `AutoMicroBatching` callback did on each rank to the figures `CountAllReduces` saves."""
+
+    def callback_figures(self, callback: AutoMicroBatching) -> dict[str, Any]:
+        return {"gradient_allreduces": callback.gradient_allreduces}
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
         super().on_train_end(trainer, pl_module)
@@ -45,10 +50,23 @@ class SaveSplitFigures(CountAllReduces):
         figures.update(
             sizes=pl_module.sizes,
             oom_retries=callback.oom_retries,
-            gradient_allreduces=callback.gradient_allreduces,
             fired=callback.fault_injector.fired if callback.fault_injector else [],
+            **self.callback_figures(callback),
         )
         torch.save(figures, path)
+
+
+def faulted_callback(micro_batch_size: int, faults: list[OOMFault], **kwargs: Any) -> AutoMicroBatching:
+    """Split mode at a pinned micro-batch size that shrinks for one step after each injected fault, then grows back."""
+    return AutoMicroBatching(
+        micro_batch_size,
+        pin_micro_batch_size=True,
+        oom_cooldown=1,
+        grow_patience=1,
+        count_items=count_tokens,
+        fault_injector=OOMInjector(faults),
+        **kwargs,
+    )
 
 
 def run(tmp_path: Any, callback: AutoMicroBatching, steps: int) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -70,14 +88,7 @@ def test_oom_on_one_rank_at_every_position_is_recovered_exactly(tmp_path):
         OOMFault(step=2 * i, micro_batch=mb, phase=phase, rank=rank, when_size_above=MICRO // 2)
         for i, (rank, mb, phase) in enumerate(CASES)
     ]
-    callback = AutoMicroBatching(
-        MICRO,
-        pin_micro_batch_size=True,
-        oom_cooldown=1,
-        grow_patience=1,
-        count_items=count_tokens,
-        fault_injector=OOMInjector(faults),
-    )
+    callback = faulted_callback(MICRO, faults)
     steps = 2 * len(CASES)
     ranks, expected = run(tmp_path, callback, steps)
 

@@ -63,6 +63,7 @@ def test_real_cuda_oom_is_recovered_and_the_update_equals_the_full_batch_update(
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_accum import AutoMicroBatching
+    from tests.helpers import quiet_trainer_kwargs
     from tests.scripts.real_oom import Wide
 
     step_batch = 16384  # one (16384 x 8192) fp32 activation is 512 MiB
@@ -71,16 +72,7 @@ def test_real_cuda_oom_is_recovered_and_the_update_equals_the_full_batch_update(
 
     def fit(callbacks):
         model = Wide()
-        trainer = pl.Trainer(
-            accelerator="cuda",
-            devices=1,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
+        trainer = pl.Trainer(**quiet_trainer_kwargs(accelerator="cuda", devices=1, max_epochs=1, callbacks=callbacks))
         trainer.fit(model, DataLoader(data, batch_size=step_batch))
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}, model.sizes
 

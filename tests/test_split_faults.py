@@ -29,7 +29,8 @@ from tests.helpers import (
     replay_reference,
     token_loss,
 )
-from tests.test_ddp import CountAllReduces, ddp_trainer, load_ranks
+from tests.test_ddp import ddp_trainer, load_ranks
+from tests.test_ddp_split import SaveSplitFigures, faulted_callback
 
 # ---- issue 9, item 8: the peak after an OOM retry is the retry's own -------------------------------------------------
 
@@ -164,7 +165,9 @@ def test_an_oom_without_a_message_is_recovered(tmp_path, error):
 # ---- issue 9, item 15: an exception in fit leaves nothing patched ----------------------------------------------------
 
 
-def test_the_same_trainer_fits_again_exactly_after_an_exception(tmp_path):
+def fit_until_the_error(tmp_path: Any) -> tuple[AutoMicroBatching, TokenDataset, RaiseOnce, RaiseOnce, pl.Trainer]:
+    """A split-mode fit that raises ``ValueError("boom")`` at step 2: the callback, data, model, its initial copy
+    and the trainer, to fit again."""
     callback = AutoMicroBatching(4, count_items=count_tokens)
     dataset = TokenDataset(64)
     model = RaiseOnce("value_error", step=2)
@@ -172,6 +175,11 @@ def test_the_same_trainer_fits_again_exactly_after_an_exception(tmp_path):
     trainer = make_trainer(tmp_path, [callback])
     with pytest.raises(ValueError, match="boom"):
         trainer.fit(model, DataLoader(dataset, batch_size=16))
+    return callback, dataset, model, initial, trainer
+
+
+def test_the_same_trainer_fits_again_exactly_after_an_exception(tmp_path):
+    _, dataset, model, initial, trainer = fit_until_the_error(tmp_path)
     assert trainer.global_step == 2
     assert "_make_closure" not in vars(trainer.fit_loop.epoch_loop.automatic_optimization)  # undone on the exception
 
@@ -184,13 +192,7 @@ def test_the_same_trainer_fits_again_exactly_after_an_exception(tmp_path):
 
 def test_a_fit_without_the_callback_after_an_exception_is_plain_lightning(tmp_path):
     # Left patched, the loop would still split the batch, and without the callback's rescale the gradient was off.
-    callback = AutoMicroBatching(4, count_items=count_tokens)
-    dataset = TokenDataset(64)
-    model = RaiseOnce("value_error", step=2)
-    initial = copy.deepcopy(model)
-    trainer = make_trainer(tmp_path, [callback])
-    with pytest.raises(ValueError, match="boom"):
-        trainer.fit(model, DataLoader(dataset, batch_size=16))
+    callback, dataset, model, initial, trainer = fit_until_the_error(tmp_path)
     trainer.callbacks.remove(callback)
     model.micro_batch_sizes.clear()
     trainer.fit(model, DataLoader(dataset, batch_size=16))
@@ -236,21 +238,11 @@ class OverlapModel(RaiseOnce):
         return DataLoader(self.dataset, batch_size=STEP_BATCH, sampler=sampler)
 
 
-class SaveFigures(CountAllReduces):
-    """Saves what each rank did."""
+class SaveFigures(SaveSplitFigures):
+    """Saves what each rank did, with the callback's events."""
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
-        super().on_train_end(trainer, pl_module)
-        path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt")
-        figures = torch.load(path, weights_only=False)
-        figures.update(
-            sizes=pl_module.sizes,
-            oom_retries=callback.oom_retries,
-            events=[(e.kind, e.step, e.before, e.after) for e in callback.events],
-            fired=callback.fault_injector.fired if callback.fault_injector else [],
-        )
-        torch.save(figures, path)
+    def callback_figures(self, callback: AutoMicroBatching) -> dict[str, Any]:
+        return {"events": [(e.kind, e.step, e.before, e.after) for e in callback.events]}
 
 
 def overlap_dataset(steps: int, empty_last_on_rank0_at: int | None = None) -> TokenDataset:
@@ -295,15 +287,7 @@ def test_overlap_recovers_ooms_on_one_rank_before_the_synced_backward(tmp_path):
     dataset = overlap_dataset(steps, empty_last_on_rank0_at=1)
     model = OverlapModel(dataset, str(tmp_path), error="memory_error", step=4, rank=1, where="last")
     initial = copy.deepcopy(model)
-    callback = AutoMicroBatching(
-        MICRO,
-        pin_micro_batch_size=True,
-        oom_cooldown=1,
-        grow_patience=1,
-        count_items=count_tokens,
-        gradient_sync="overlap",
-        fault_injector=OOMInjector(faults),
-    )
+    callback = faulted_callback(MICRO, faults, gradient_sync="overlap")
     fit_overlap(tmp_path, model, callback)
 
     assert read_errors(tmp_path) == {}

@@ -26,6 +26,8 @@ import time
 
 STEP = 256
 MICRO = 64
+# A Trainer that writes nothing: no logger, checkpoint, progress bar or model summary.
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def worker(config: str, steps: int, out: str) -> None:
@@ -81,17 +83,7 @@ def worker(config: str, steps: int, out: str) -> None:
         callbacks.insert(0, AccumulationScheduler(STEP // MICRO))
     elif config in ("overlap", "deferred"):
         callbacks.insert(0, AutoMicroBatching(MICRO, pin_micro_batch_size=True, gradient_sync=config))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, **QUIET)
     trainer.fit(Model(), DataLoader(data, batch_size=batch))
 
 

@@ -62,6 +62,8 @@ class _Clock(pl.Callback):
 
 
 VARIANTS = ("plain Lightning", "scheduler", "scheduler + monitor", "scheduler + monitor(logging_interval=1)")
+# A Trainer that writes nothing: no logger, checkpoint, progress bar or model summary.
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def _samples_per_sec(variant: str, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str) -> float:
@@ -80,13 +82,10 @@ def _samples_per_sec(variant: str, dim: int, hidden: int, n: int, batch_size: in
         accelerator="cpu",
         devices=1,
         max_epochs=1,
-        logger=False,
         callbacks=callbacks,
         accumulate_grad_batches=k if variant == "plain Lightning" else 1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
+        **QUIET,
     )
     trainer.fit(_Model(dim, hidden), DataLoader(data, batch_size=batch_size))
     return clock.samples / clock.seconds

@@ -26,6 +26,8 @@ from lightning_accum.memory.backends import CPUBackend
 
 STEP_BATCH = 2048
 WIDTH = 4096
+# A Trainer that writes nothing: no logger, checkpoint, progress bar or model summary.
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 class Wide(pl.LightningModule):
@@ -75,15 +77,7 @@ def run(micro_batch_size, budget: int, steps: int, predictive: bool = True) -> t
         grow_patience=5,
     )
     timer = Timer(warmup=steps // 3)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback, timer],
-    )
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, callbacks=[callback, timer], **QUIET)
     trainer.fit(Wide(), DataLoader(data, batch_size=STEP_BATCH))
     return timer.samples / timer.elapsed, timer.peak, callback
 

@@ -105,12 +105,8 @@ class CharLMDataModule(pl.LightningDataModule):
             raise ValueError(f"`max_sequences` must be >= 2 or None, got {max_sequences}.")
         self.save_hyperparameters()
         self.batch_size = batch_size
-        self.min_length = min_length
-        self.max_length = max_length
-        self.val_fraction = val_fraction
-        self.max_sequences = max_sequences
-        self.seed = seed
-        self.num_workers = num_workers
+        self.min_length, self.max_length, self.max_sequences = min_length, max_length, max_sequences
+        self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
         self.train_set: ByteSequences | None = None
         self.val_set: ByteSequences | None = None
 

@@ -17,7 +17,7 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from examples.llama8b.model import LLAMA3_8B, LlamaLM, random_tokens
+from examples.llama8b.model import LLAMA3_8B, LlamaConfig, LlamaLM, random_tokens
 from lightning_accum.probe import ProbeMeasurement, ProbeResult, probe_memory
 
 GiB = 2**30
@@ -26,12 +26,16 @@ BLOCK = 512  # the CUDA caching allocator's block: AdamW's 4-byte `step` counter
 
 def predict(layers: int, seq_len: int, checkpointing: bool) -> ProbeResult:
     """Probe the 8B shape (with ``layers`` decoder layers) on fake tensors: B = 8 as 1 x 8, 8 x 1 and 1 x 1."""
-    config = dataclasses.replace(LLAMA3_8B, num_layers=layers)
+    return probe_on_meta(dataclasses.replace(LLAMA3_8B, num_layers=layers), seq_len, 8, checkpointing)
+
+
+def probe_on_meta(config: LlamaConfig, seq_len: int, batch_size: int, checkpointing: bool = False) -> ProbeResult:
+    """One bf16 step of ``config`` predicted for CUDA on fake tensors: B as 1 x B, B x 1 and 1 x 1."""
     return probe_memory(
         functools.partial(LlamaLM, config, activation_checkpointing=checkpointing),
         functools.partial(random_tokens, seq_len=seq_len, vocab_size=config.vocab_size),
-        batch_size=8,
-        accumulation_steps=(8,),
+        batch_size=batch_size,
+        accumulation_steps=(batch_size,),
         fit_micro_batch_sizes=(),
         steps=1,
         device="meta",

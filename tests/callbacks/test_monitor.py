@@ -59,6 +59,18 @@ def fit(tmp_path, callbacks, loggers, *, n=40, batch_size=4, max_epochs=2, **tra
     return trainer
 
 
+def monitor_with_owner(owner: str, k: int) -> tuple[list[pl.Callback], dict[str, Any]]:
+    """A monitor with accumulation over ``k`` batches owned by an `AccumulationScheduler` ("scheduler") or by
+    Lightning's own ``accumulate_grad_batches`` ("plain"): the callbacks and the extra Trainer arguments."""
+    callbacks: list[pl.Callback] = [AccumulationMonitor()]
+    kwargs: dict[str, Any] = {}
+    if owner == "scheduler":
+        callbacks.insert(0, AccumulationScheduler(k))
+    else:
+        kwargs["accumulate_grad_batches"] = k
+    return callbacks, kwargs
+
+
 def finish_wandb() -> None:
     import wandb
 
@@ -159,12 +171,7 @@ def test_window_loss_is_the_item_weighted_mean_over_uneven_micro_batches(tmp_pat
     assert abs(mean_of_means - expected) > 1e-3 * expected  # the case tells the right answer from the common wrong one
     assert expected == pytest.approx(sum(loss * m for loss, m in chunks) / n)
 
-    callbacks: list[pl.Callback] = [AccumulationMonitor()]
-    kwargs: dict[str, Any] = {}
-    if owner == "scheduler":
-        callbacks.insert(0, AccumulationScheduler(k))
-    else:
-        kwargs["accumulate_grad_batches"] = k
+    callbacks, kwargs = monitor_with_owner(owner, k)
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, max_epochs=1, **kwargs)
     trainer.fit(model, DataLoader(dataset, batch_size=b))
@@ -313,12 +320,7 @@ def test_bad_logging_interval_raises_a_clear_error(interval, error, match):
 def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
     b, k, world = 4, 2, 2
     spike = 512 * 1024**2
-    callbacks: list[pl.Callback] = [AccumulationMonitor()]
-    kwargs: dict[str, Any] = {}
-    if owner == "scheduler":
-        callbacks.insert(0, AccumulationScheduler(k))
-    else:
-        kwargs["accumulate_grad_batches"] = k
+    callbacks, kwargs = monitor_with_owner(owner, k)
     # A fixed version: the spawned rank 0 writes the file, and the parent would otherwise resolve the next version.
     csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")

@@ -16,6 +16,7 @@ from examples.char_lm.data import IGNORE_INDEX, PAD_ID, CharLMDataModule, collat
 from examples.char_lm.model import CharLM
 from lightning_accum import AccumulationScheduler
 from lightning_accum.items import CountTokens
+from tests.helpers import make_trainer
 
 TINY_MODEL: dict[str, Any] = {"max_length": 48, "d_model": 32, "n_layers": 1, "n_heads": 2}
 
@@ -29,20 +30,7 @@ def tiny_data(**kwargs: Any) -> CharLMDataModule:
 
 
 def tiny_trainer(tmp_path: Any, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return make_trainer(tmp_path, callbacks, limit_val_batches=0, **kwargs)
 
 
 class _GradRecorder(pl.Callback):

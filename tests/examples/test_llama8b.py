@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
-from examples.llama8b.model import LLAMA3_8B, TINY, LlamaLM, random_tokens
-from examples.llama8b.table import cross_check
-from lightning_accum.probe import probe_memory
+from examples.llama8b.model import LLAMA3_8B, TINY, LlamaLM
+from examples.llama8b.table import cross_check, probe_on_meta
 
 
 def test_8b_builds_on_meta_with_the_published_parameter_count():
@@ -33,17 +31,7 @@ def test_tied_miniature_counts_its_embedding_once():
 def test_a_traced_8b_layer_matches_the_parameter_arithmetic():
     # One decoder layer at the 8B's width and vocabulary, in bf16 with AdamW, predicted for CUDA on fake tensors.
     config = dataclasses.replace(LLAMA3_8B, num_layers=1)
-    result = probe_memory(
-        functools.partial(LlamaLM, config),
-        functools.partial(random_tokens, seq_len=16, vocab_size=config.vocab_size),
-        batch_size=2,
-        accumulation_steps=(2,),
-        fit_micro_batch_sizes=(),
-        steps=1,
-        device="meta",
-        target="cuda",
-        precision="bf16-true",
-    )
+    result = probe_on_meta(config, seq_len=16, batch_size=2)
     checks = cross_check(result.measurement(1, 2), layers=1)
     assert all(row.endswith("| yes |") for row in checks[2:]), "\n".join(checks)
     assert result.parameter_bytes == 2 * config.parameter_count()

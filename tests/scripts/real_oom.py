@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AutoMicroBatching
+from tests.helpers import quiet_trainer_kwargs
 
 STEP_BATCH = 2048
 WIDTH = 8192
@@ -74,13 +75,7 @@ def main() -> None:
     logging.getLogger("lightning_accum").addHandler(lines)
     logging.getLogger("lightning_accum").setLevel(logging.INFO)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback] if callback else [],
+        **quiet_trainer_kwargs(accelerator="cpu", max_epochs=1, callbacks=[callback] if callback else [])
     )
     loader = DataLoader(data, batch_size=STEP_BATCH)
     if "--no-limit" not in sys.argv:
