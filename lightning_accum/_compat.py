@@ -149,6 +149,15 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None
     trainer.callback_metrics.update({key: torch.tensor(float(value)) for key, value in metrics.items()})
 
 
+def set_progress_bar_metrics(trainer: pl.Trainer, metrics: dict[str, float | int]) -> None:
+    """Show ``metrics`` in Lightning's progress bar (TQDM or Rich), as ``self.log(..., prog_bar=True)`` would.
+
+    Both bars read ``trainer.progress_bar_metrics`` (``ProgressBar.get_metrics``), which returns the connector's own
+    dict (``_LoggerConnector.progress_bar_metrics``); updating it costs nothing per step, unlike ``self.log``.
+    """
+    trainer.progress_bar_metrics.update(metrics)
+
+
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning's loggers file the current optimizer step under (the first step is 0).
 

@@ -265,3 +265,73 @@ class LightningWindows:
         )
         self._start()
         return report
+
+
+class FitSummary:
+    """What a whole ``fit`` did, for the short summary printed (and logged) at its end.
+
+    Examples:
+        >>> summary = FitSummary()
+        >>> for step, size in enumerate([8, 8, 4, 4]):
+        ...     events = (AccumulationEvent("oom_recovered", step, 8, 4),) if step == 2 else ()
+        ...     summary.add(StepReport("split", size, 16 // size, 16, 16.0, 16 * (step + 1), events=events))
+        >>> summary.seconds = 2.0
+        >>> for part in summary.text().split("; "):
+        ...     print(part)
+        lightning_accum: 4 optimizer steps, effective batch 16 samples
+        micro-batch 4 to 8, settled at 4 from step 2
+        1 OOM recovered (step 2)
+        32 samples/s.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.effective_batch_sizes: set[int] = set()
+        self.micro_batch_range: tuple[int, int] | None = None
+        self.settled: tuple[int, int] | None = None  # (size, since step)
+        self.oom_steps: list[int] = []
+        self.samples = 0
+        self.seconds = 0.0
+        self.peak_fraction_of_budget: float | None = None
+
+    def add(self, report: StepReport) -> None:
+        """Count one optimizer step."""
+        size = report.micro_batch_size
+        if self.settled is None or self.settled[0] != size:
+            self.settled = (size, self.steps)
+        low, high = self.micro_batch_range or (size, size)
+        self.micro_batch_range = (min(low, size), max(high, size))
+        self.effective_batch_sizes.add(report.effective_batch_size)
+        self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
+        self.samples += report.effective_batch_size
+        self.steps += 1
+
+    def as_dict(self) -> dict[str, float]:
+        """The numbers, for a logger."""
+        figures: dict[str, float] = {"steps": self.steps, "oom_recovered": len(self.oom_steps)}
+        if self.settled is not None:
+            figures["micro_batch_size_settled"] = self.settled[0]
+        if self.seconds > 0:
+            figures["samples_per_sec"] = self.samples / self.seconds
+        if self.peak_fraction_of_budget is not None:
+            figures["peak_fraction_of_budget"] = self.peak_fraction_of_budget
+        return figures
+
+    def text(self) -> str:
+        """One line a person reads at the end of ``fit``."""
+        sizes = sorted(self.effective_batch_sizes)
+        batch = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}" if sizes else "?"
+        parts = [f"lightning_accum: {self.steps} optimizer steps, effective batch {batch} samples"]
+        if self.micro_batch_range is not None and self.settled is not None:
+            low, high = self.micro_batch_range
+            span = f"micro-batch {low}" if low == high else f"micro-batch {low} to {high}"
+            parts.append(f"{span}, settled at {self.settled[0]} from step {self.settled[1]}")
+        if self.oom_steps:
+            plural = "s" if len(self.oom_steps) > 1 else ""
+            steps = ", ".join(str(s) for s in self.oom_steps)
+            parts.append(f"{len(self.oom_steps)} OOM{plural} recovered (step{plural} {steps})")
+        if self.peak_fraction_of_budget is not None:
+            parts.append(f"peak memory {self.peak_fraction_of_budget:.0%} of the budget")
+        if self.seconds > 0:
+            parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
+        return "; ".join(parts) + "."

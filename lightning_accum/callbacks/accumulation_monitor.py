@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -20,6 +21,7 @@ from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_fraction
 from lightning_accum.monitoring import (
+    FitSummary,
     IntervalTotals,
     LightningWindows,
     StepFigures,
@@ -82,6 +84,11 @@ class AccumulationMonitor(Callback):
             loss cover the whole interval; batch figures describe its last step.
         gradient_noise_scale: also estimate and log the gradient noise scale (needs an accumulation owner).
         noise_scale_beta: the moving average's decay per window, in ``[0, 1)``.
+        progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
+            (``mem``; of the capacity without a budget, updated at logging steps) in Lightning's progress bar.
+        summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
+            settled, OOMs recovered and their steps, the peak against the budget, throughput) and log its figures to
+            every logger's hyperparameters under ``lightning_accum_summary``.
 
     Raises:
         TypeError: ``logging_interval`` is not an int.
@@ -100,6 +107,8 @@ class AccumulationMonitor(Callback):
         *,
         gradient_noise_scale: bool = False,
         noise_scale_beta: float = 0.99,
+        progress_bar: bool = True,
+        summary: bool = True,
     ) -> None:
         bad_type = isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
         if logging_interval is not None and bad_type:
@@ -114,6 +123,11 @@ class AccumulationMonitor(Callback):
         self.logging_interval = logging_interval
         self.gradient_noise_scale = check_bool(gradient_noise_scale, "gradient_noise_scale")
         self.noise_scale = NoiseScaleEstimator(noise_scale_beta)  # checks the beta
+        self.progress_bar = check_bool(progress_bar, "progress_bar")
+        self.summary = check_bool(summary, "summary")
+        self._fit_summary = FitSummary()
+        self._fit_start = time.perf_counter()
+        self._validation_seconds = 0.0
         self._backend: MemoryBackend | None = None
         self._capacity_bytes = 0
         self._owner: AccumulationOwner | None = None
@@ -160,8 +174,19 @@ class AccumulationMonitor(Callback):
         self._setup_wandb(trainer)
         if self._backend is not None:
             self._backend.reset_peak()
-        self._interval_start = time.perf_counter()
-        self._excluded_seconds = 0.0
+        self._interval_start = self._fit_start = time.perf_counter()
+        self._excluded_seconds = self._validation_seconds = 0.0
+        self._fit_summary = FitSummary()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.summary or self._fit_summary.steps == 0:
+            return
+        self._fit_summary.seconds = time.perf_counter() - self._fit_start - self._validation_seconds
+        rank_zero_info(self._fit_summary.text())
+        if trainer.is_global_zero:  # as run-level values (W&B config, hparams.yaml), not as one more metric row
+            for logger in trainer.loggers:
+                logger.log_hyperparams({"lightning_accum_summary": self._fit_summary.as_dict()})
 
     def _setup_wandb(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
@@ -191,7 +216,9 @@ class AccumulationMonitor(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._validation_start is not None:
-            self._excluded_seconds += time.perf_counter() - self._validation_start
+            seconds = time.perf_counter() - self._validation_start
+            self._excluded_seconds += seconds
+            self._validation_seconds += seconds
             self._validation_start = None
 
     # ----------------------------------------------------------------------------------------------------------
@@ -205,6 +232,9 @@ class AccumulationMonitor(Callback):
         if report is None:
             return  # still inside the window
         self._interval.add(report)
+        self._fit_summary.add(report)
+        if self.progress_bar:  # what Lightning's TQDM and Rich bars show next to the loss
+            _compat.set_progress_bar_metrics(trainer, {"mb": report.micro_batch_size, "k": report.accumulation_steps})
         if report.noise is not None:
             self.noise_scale.add_estimates(*report.noise)
         step = _compat.logging_step(trainer)
@@ -255,6 +285,7 @@ class AccumulationMonitor(Callback):
             interval_seconds=seconds,
         )
         metrics = {**figures.as_metrics(), **self._noise_metrics(), **event_metrics(interval.events)}
+        self._show_memory(trainer, peak, budget if budget is not None else capacity)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -264,6 +295,16 @@ class AccumulationMonitor(Callback):
         interval.reset()
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
+
+    def _show_memory(self, trainer: pl.Trainer, peak: int, limit: int) -> None:
+        """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
+        if limit <= 0:
+            return
+        fraction = peak / limit
+        previous = self._fit_summary.peak_fraction_of_budget
+        self._fit_summary.peak_fraction_of_budget = fraction if previous is None else max(previous, fraction)
+        if self.progress_bar:
+            _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
 
     def _noise_metrics(self) -> dict[str, float]:
         estimate = self.noise_scale.value()

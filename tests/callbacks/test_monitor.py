@@ -407,7 +407,8 @@ def test_the_default_interval_follows_log_every_n_steps(tmp_path):
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     trainer = make_trainer(tmp_path, [AccumulationMonitor()], logger=csv_logger, log_every_n_steps=3)
     trainer.fit(RegressionModel(), DataLoader(IndexedDataset(40), batch_size=4))
-    assert sorted(read_csv(csv_logger.log_dir)) == [2, 5, 8]
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(s for s, row in rows.items() if keys.EFFECTIVE_BATCH_SIZE in row) == [2, 5, 8]
 
 
 def test_monitor_metrics_reach_callback_metrics_and_model_checkpoint(tmp_path):
@@ -466,3 +467,63 @@ def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
         else:
             assert config["unit"] == "sample"
             assert config["schedule"].startswith("BatchSizeRamp(start=4, target=8")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a user sees while it runs and at the end (issue 14, items 1 and 2)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar):
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from lightning_accum import AutoMicroBatching
+
+    progress = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
+    model = RegressionModel()
+    model.split_mode = True
+    owner = AutoMicroBatching(4, max_memory=0.5)
+    trainer = make_trainer(tmp_path, [owner, AccumulationMonitor(), progress], enable_progress_bar=True)
+    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16))
+    shown = progress.get_metrics(trainer, model)  # what the bar draws next to the loss
+    assert shown["mb"] == 4 and shown["k"] == 4
+    assert 0 < shown["mem"] < 1  # the peak as a fraction of the budget (half the machine's memory)
+
+
+def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    progress = TQDMProgressBar()
+    model = RegressionModel()
+    trainer = make_trainer(
+        tmp_path,
+        [AccumulationScheduler(2), AccumulationMonitor(progress_bar=False), progress],
+        enable_progress_bar=True,
+    )
+    trainer.fit(model, DataLoader(IndexedDataset(16), batch_size=4))
+    assert not {"mb", "k", "mem"} & progress.get_metrics(trainer, model).keys()
+
+
+def test_the_end_of_fit_summary_is_printed_and_logged(tmp_path, caplog):
+    import logging
+
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+
+    injector = OOMInjector(OOMFault(step=2, micro_batch=0, phase="forward"))
+    owner = AutoMicroBatching(8, max_memory=0.5, fault_injector=injector)
+    model = RegressionModel()
+    model.split_mode = True
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [owner, AccumulationMonitor()], logger=csv_logger)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, DataLoader(IndexedDataset(64), batch_size=16))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_accum: 4 optimizer"))
+    assert "effective batch 16 samples" in line
+    assert "micro-batch 4 to 8, settled at 4 from step 2" in line
+    assert "1 OOM recovered (step 2)" in line
+    assert "of the budget" in line and "samples/s" in line
+    import yaml
+
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert logged["steps"] == 4 and logged["oom_recovered"] == 1 and logged["micro_batch_size_settled"] == 4
+    assert logged["samples_per_sec"] > 0 and 0 < logged["peak_fraction_of_budget"]
