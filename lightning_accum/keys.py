@@ -20,6 +20,11 @@ GRADIENT_NOISE_SCALE = "accum/gradient_noise_scale"  # B_simple = tr(Σ) / |G|²
 GRAD_SQ_NORM = "accum/grad_sq_norm"  # |G|²
 GRAD_TRACE_COV = "accum/grad_trace_cov"  # tr(Σ)
 
+ALLOC_RETRIES = (
+    "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
+)
+TRAIN_SECONDS = "perf/train_seconds"  # wall-clock training time since the start of fit, validation excluded
+
 SAMPLES_PER_SEC = "perf/samples_per_sec"
 ITEMS_PER_SEC = "perf/items_per_sec"
 
@@ -30,8 +35,8 @@ EVENT_SHRINK = "events/micro_batch_shrunk"
 EVENT_GROW = "events/micro_batch_grown"
 
 BATCH_KEYS = (EFFECTIVE_BATCH_SIZE, MICRO_BATCH_SIZE, ACCUMULATION_STEPS, ITEMS_PER_STEP)
-MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_FRACTION)
-PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC)
+MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_FRACTION, ALLOC_RETRIES)
+PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC, TRAIN_SECONDS)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
 NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

@@ -27,6 +27,7 @@ from lightning_accum.monitoring import (
     StepFigures,
     WeightedMean,
     event_metrics,
+    to_gib,
 )
 from lightning_accum.noise_scale import NoiseScaleEstimator
 from lightning_accum.report import StepReport
@@ -109,6 +110,8 @@ class AccumulationMonitor(Callback):
         noise_scale_beta: float = 0.99,
         progress_bar: bool = True,
         summary: bool = True,
+        key_prefix: str = "",
+        per_rank_memory: bool = False,
     ) -> None:
         bad_type = isinstance(logging_interval, bool) or not isinstance(logging_interval, int)
         if logging_interval is not None and bad_type:
@@ -125,9 +128,16 @@ class AccumulationMonitor(Callback):
         self.noise_scale = NoiseScaleEstimator(noise_scale_beta)  # checks the beta
         self.progress_bar = check_bool(progress_bar, "progress_bar")
         self.summary = check_bool(summary, "summary")
+        if not isinstance(key_prefix, str):
+            raise TypeError(
+                f"`key_prefix` must be a str such as 'run2/', got {key_prefix!r} of type {type(key_prefix).__name__}."
+            )
+        self.key_prefix = key_prefix
+        self.per_rank_memory = check_bool(per_rank_memory, "per_rank_memory")
         self._fit_summary = FitSummary()
         self._fit_start = time.perf_counter()
         self._validation_seconds = 0.0
+        self._last_peak = 0
         self._backend: MemoryBackend | None = None
         self._capacity_bytes = 0
         self._owner: AccumulationOwner | None = None
@@ -285,16 +295,30 @@ class AccumulationMonitor(Callback):
             interval_seconds=seconds,
         )
         metrics = {**figures.as_metrics(), **self._noise_metrics(), **event_metrics(interval.events)}
+        metrics.update(self._extra_metrics(trainer))
+        metrics = {self.key_prefix + key: value for key, value in metrics.items()}
         self._show_memory(trainer, peak, budget if budget is not None else capacity)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
         # EarlyStopping; the loggers were served above, at this step.
-        _compat.set_callback_metrics(trainer, {**figures.as_metrics(), **self._noise_metrics()})
+        _compat.set_callback_metrics(trainer, metrics)
         interval.reset()
         self._excluded_seconds = 0.0
         self._interval_start = time.perf_counter()
+
+    def _extra_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
+        """Wall-clock training time, the allocator's retries (CUDA/XPU) and, opt-in, each rank's peak."""
+        assert self._backend is not None
+        metrics = {keys.TRAIN_SECONDS: time.perf_counter() - self._fit_start - self._validation_seconds}
+        local = torch.tensor([self._backend.alloc_retries(), self._last_peak], dtype=torch.float64)
+        if trainer.strategy.root_device.type != "cpu":
+            metrics[keys.ALLOC_RETRIES] = float(max_across_ranks(trainer, local[:1].clone()).item())
+        if self.per_rank_memory:  # one gather of one number per rank, at logging steps only
+            gathered = trainer.strategy.all_gather(local[1:].to(trainer.strategy.root_device)).reshape(-1).tolist()
+            metrics.update({f"memory/rank{rank}/peak_gib": to_gib(peak) for rank, peak in enumerate(gathered)})
+        return metrics
 
     def _show_memory(self, trainer: pl.Trainer, peak: int, limit: int) -> None:
         """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
@@ -343,8 +367,9 @@ class AccumulationMonitor(Callback):
             self._capacity_bytes = self._backend.capacity_bytes()
         backend = self._backend
         reserved = backend.peak_reserved_bytes()
+        self._last_peak = max(owner_peak, backend.peak_bytes())  # this rank's, for per-rank memory
         local = torch.tensor(
-            [max(owner_peak, backend.peak_bytes()), -1 if reserved is None else reserved, self._capacity_bytes],
+            [self._last_peak, -1 if reserved is None else reserved, self._capacity_bytes],
             dtype=torch.int64,
         )
         peak, peak_reserved, capacity = (int(v) for v in max_across_ranks(trainer, local).tolist())

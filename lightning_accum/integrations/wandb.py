@@ -172,6 +172,9 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         "Recovery",
         (
             PanelSpec("OOM retries", (keys.OOM_RETRIES,), "OOMs recovered (cumulative)", _FROM_ZERO, integer=True),
+            PanelSpec(
+                "Allocator retries", (keys.ALLOC_RETRIES,), "cudaMalloc retries (cumulative)", _FROM_ZERO, integer=True
+            ),
             PanelSpec("Events", keys.EVENT_KEYS, "size after the change", _FROM_ZERO, style="points", integer=True),
         ),
     ),
@@ -180,6 +183,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         (
             PanelSpec("Samples / s", (keys.SAMPLES_PER_SEC,), "samples / s (all ranks)", _FROM_ZERO),
             PanelSpec("Items / s", (keys.ITEMS_PER_SEC,), "items / s (all ranks)", _FROM_ZERO),
+            PanelSpec("Training time", (keys.TRAIN_SECONDS,), "s (validation excluded)", _FROM_ZERO),
         ),
     ),
 )

@@ -29,7 +29,7 @@ from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 GIB = 1024**3
 # What a CPU run logs at every optimizer step (no reserved pool on CPU; events only when they happen).
-EVERY_STEP_KEYS = (set(keys.ALL_KEYS) - {keys.PEAK_RESERVED_GIB}) | {BUDGET_FRACTION}
+EVERY_STEP_KEYS = (set(keys.ALL_KEYS) - {keys.PEAK_RESERVED_GIB, keys.ALLOC_RETRIES}) | {BUDGET_FRACTION}
 
 
 def read_csv(log_dir: str | Path) -> dict[int, dict[str, float]]:
@@ -527,3 +527,21 @@ def test_the_end_of_fit_summary_is_printed_and_logged(tmp_path, caplog):
     logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
     assert logged["steps"] == 4 and logged["oom_recovered"] == 1 and logged["micro_batch_size_settled"] == 4
     assert logged["samples_per_sec"] > 0 and 0 < logged["peak_fraction_of_budget"]
+
+
+def test_monitor_options_prefix_training_time_and_per_rank_memory(tmp_path):
+    # Issue 14, item 5: a key prefix, wall-clock totals, and each rank's peak as an opt-in (one rank here).
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    monitor = AccumulationMonitor(key_prefix="run2/", per_rank_memory=True)
+    fit(tmp_path, [AccumulationScheduler(2), monitor], csv_logger, n=32, max_epochs=1)
+    rows = read_csv(csv_logger.log_dir)
+    seconds = [rows[s]["run2/" + keys.TRAIN_SECONDS] for s in sorted(rows)]
+    assert seconds == sorted(seconds) and seconds[0] > 0  # a running total
+    assert all(rows[s]["run2/memory/rank0/peak_gib"] == rows[s]["run2/" + keys.PEAK_GIB] for s in rows)
+    assert not any(key.startswith("accum/") for row in rows.values() for key in row)
+    assert keys.ALLOC_RETRIES not in {k.removeprefix("run2/") for row in rows.values() for k in row}  # CUDA only
+
+
+def test_a_bad_key_prefix_is_refused():
+    with pytest.raises(TypeError, match=r"`key_prefix` must be a str"):
+        AccumulationMonitor(key_prefix=3)

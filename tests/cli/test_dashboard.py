@@ -44,7 +44,7 @@ def test_dashboard_output_writes_the_spec_without_network(tmp_path, no_network, 
         logged = set(next(csv.reader(f))) - {"step", "epoch"}
     drawn = spec_metric_keys(spec)
     assert logged <= drawn
-    assert drawn - logged <= {keys.PEAK_RESERVED_GIB, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS}
+    assert drawn - logged <= {keys.PEAK_RESERVED_GIB, keys.ALLOC_RETRIES, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS}
 
 
 def test_dashboard_needs_entity_and_project(capsys, tmp_path):

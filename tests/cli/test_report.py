@@ -250,7 +250,7 @@ def _axes(figure) -> dict[str, object]:
 
 def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_run):
     axes = _axes(build_figure(split_run))
-    assert "Events" in axes and len(axes) == 13
+    assert "Events" in axes and len(axes) == 15
     assert {ax.get_xlim() for ax in axes.values()} == {axes["Micro-batch size"].get_xlim()}
     low, high = axes["Events"].get_xlim()
     assert low < 0 and high > 9  # the whole run, steps 0 to 9, not just the steps with an event
