@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--root", default="/tmp/lightning_accum_overhead")
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke test, not a measurement)")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this, e.g. MLP")
     args = parser.parse_args()
     torch.set_num_threads(1)
     scale = 8 if args.quick else 1
@@ -104,9 +105,14 @@ def main() -> None:
         "MLP (1024->2048->1), b=64, k=4": {"dim": 1024, "hidden": 2048, "n": 8192 // scale, "batch_size": 64, "k": 4},
     }
     for name, case in cases.items():
+        if args.only and args.only not in name:
+            continue
         runs: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-        for _ in range(args.repeats):
-            for variant in VARIANTS:  # interleaved, so drift in machine load hits every variant alike
+        for repeat in range(args.repeats):
+            # Interleaved, so drift in machine load hits every variant alike, and rotated, so no variant always
+            # runs first (warm caches and clocks favoured whichever ran first).
+            shift = repeat % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
                 runs[variant].append(_samples_per_sec(variant, root=args.root, **case))
         base = statistics.median(runs["plain Lightning"])
         print(f"{name}: plain Lightning {base:,.0f} samples/s (median of {args.repeats})")

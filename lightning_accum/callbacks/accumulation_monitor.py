@@ -71,6 +71,12 @@ class AccumulationMonitor(Callback):
         ``memory/peak_reserved_gib``        GiB          every logging step, CUDA only
         ``perf/samples_per_sec``            samples/s    every logging step, over the interval, all ranks
         ``perf/items_per_sec``              items/s      every logging step, over the interval, all ranks
+        ``perf/train_seconds``              s            every logging step: since the start of fit,
+                                                         validation excluded
+        ``memory/alloc_retries``            count        every logging step, CUDA/XPU only, cumulative
+        ``memory/rank{r}/peak_gib``         GiB          with ``per_rank_memory=True``: each rank's peak
+        ``accum/gradient_noise_scale``      items        with ``gradient_noise_scale=True`` (also
+                                                         ``accum/grad_sq_norm``, ``accum/grad_trace_cov``)
         ``events/*``                        size after   at the logging step that follows the event
         ==================================  ===========  ==================================================
 
@@ -87,6 +93,8 @@ class AccumulationMonitor(Callback):
         noise_scale_beta: the moving average's decay per window, in ``[0, 1)``.
         progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
             (``mem``; of the capacity without a budget, updated at logging steps) in Lightning's progress bar.
+        key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
+        per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
         summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
             settled, OOMs recovered and their steps, the peak against the budget, throughput) and log its figures to
             every logger's hyperparameters under ``lightning_accum_summary``.
