@@ -6,6 +6,7 @@ module turns them into the contract keys of `lightning_accum.keys`, so every fig
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -224,7 +225,7 @@ class LightningWindows:
         >>> windows = LightningWindows()
         >>> windows.add_micro_batch(4, torch.tensor(1.0))
         >>> windows.add_micro_batch(2, torch.tensor(4.0))
-        >>> report = windows.finish(sum_across_ranks=None)
+        >>> report = windows.finish()
         >>> report.effective_batch_size, report.accumulation_steps, float(report.loss_sum) / report.loss_items
         (6, 2, 2.0)
     """
@@ -248,10 +249,12 @@ class LightningWindows:
         if mean_loss is not None:
             self._loss.add(mean_loss, n_samples, "mean")
 
-    def finish(self, sum_across_ranks: Callable[[Tensor], Tensor] | None) -> StepReport:
-        """The report of the window that just stepped (one small all-reduce under DDP); starts the next."""
-        local = torch.tensor([float(self._samples)], dtype=torch.float64)
-        samples = int((sum_across_ranks(local) if sum_across_ranks is not None else local).item())
+    def finish(self) -> StepReport:
+        """The report of the window that just stepped, starting the next; its counts are this rank's only.
+
+        Nothing is summed over ranks here, at every step: `globalize` does it once per logging step.
+        """
+        samples = self._samples
         self.consumed_samples += samples
         report = StepReport(
             mode="lightning",
@@ -265,6 +268,18 @@ class LightningWindows:
         )
         self._start()
         return report
+
+    @staticmethod
+    def globalize(
+        interval: IntervalTotals, sum_across_ranks: Callable[[Tensor], Tensor] | None
+    ) -> tuple[StepReport, float]:
+        """The interval's last report and sample count summed over ranks (one small all-reduce under DDP)."""
+        last = interval.last
+        assert last is not None
+        local = torch.tensor([float(last.effective_batch_size), float(interval.samples)], dtype=torch.float64)
+        step_samples, interval_samples = (sum_across_ranks(local) if sum_across_ranks is not None else local).tolist()
+        report = dataclasses.replace(last, effective_batch_size=int(step_samples), items=step_samples)
+        return report, interval_samples
 
 
 class FitSummary:

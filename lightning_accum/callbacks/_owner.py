@@ -125,17 +125,16 @@ class AccumulationOwner(Callback):
     def _measure_noise(self, trainer: pl.Trainer, params: list[Tensor], totals: WindowTotals) -> None:
         """After the step's gradient is exact: this window's estimates of |G|² and tr(Σ), averaged over ranks."""
         self._noise = None
-        # Rank-consistent conditions only: the collective below must run on every rank or on none.
-        if (
-            not self._noise_wanted
-            or getattr(self, "sync_every_micro_batch", False)
-            or self.normalizer.micro_batches < 2
-        ):
+        # Rank-consistent conditions only: the collective below must run on every rank or on none. The number of
+        # micro-batches is this rank's (a sampler may give ranks different step batches), so it only decides
+        # whether this rank's pair is valid: a window of one micro-batch has one batch size.
+        if not self._noise_wanted or getattr(self, "sync_every_micro_batch", False):
             return
         local = torch.zeros(3, dtype=torch.float64)
         capture, self._first_gradient = self._first_gradient, None
         grads = [p.grad for p in params if p.grad is not None]
-        if capture is not None and capture[0] == self.normalizer.windows_started and grads and totals.items > 0:
+        window = self.normalizer
+        if capture is not None and capture[0] == window.windows_started and window.micro_batches >= 2 and grads:
             _, small, first_items, divisor, scale = capture
             small_sq, n_small, big_sq = torch.stack(
                 [

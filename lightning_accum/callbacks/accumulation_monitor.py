@@ -274,7 +274,7 @@ class AccumulationMonitor(Callback):
         if trainer.global_step == self._last_global_step:
             return None
         self._last_global_step = trainer.global_step
-        return self._windows.finish(sum_across_ranks_fn(trainer))
+        return self._windows.finish()
 
     # ----------------------------------------------------------------------------------------------------------
     # logging steps: the only place that synchronizes
@@ -283,6 +283,10 @@ class AccumulationMonitor(Callback):
         # Every rank runs this block in the same order: it holds collectives.
         interval, last = self._interval, self._interval.last
         assert last is not None
+        interval_samples, interval_items = float(interval.samples), interval.items
+        if self._owner is None:  # counted from this rank's batches: summed over ranks here, not at every step
+            last, interval_samples = LightningWindows.globalize(interval, sum_across_ranks_fn(trainer))
+            interval_items = interval_samples
         window_loss = self._window_loss(interval)  # syncs ranks and the device, so the clock below is honest
         seconds = time.perf_counter() - self._interval_start - self._excluded_seconds
         peak, peak_reserved, capacity = self._memory(trainer, interval.peak_bytes)
@@ -298,8 +302,8 @@ class AccumulationMonitor(Callback):
             capacity_bytes=capacity,
             peak_reserved_bytes=peak_reserved,
             budget_fraction=budget_fraction(budget, capacity),
-            interval_samples=interval.samples,
-            interval_items=interval.items,
+            interval_samples=interval_samples,
+            interval_items=interval_items,
             interval_seconds=seconds,
         )
         metrics = {**figures.as_metrics(), **self._noise_metrics(), **event_metrics(interval.events)}
