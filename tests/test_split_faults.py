@@ -334,9 +334,58 @@ def test_overlap_oom_inside_the_synced_backward_is_a_clear_error_not_a_hang(tmp_
     assert time.monotonic() - start < 90
     errors = read_errors(tmp_path)
     assert errors[0].startswith("RuntimeError: Out of memory inside the synced backward of the last micro-batch")
-    # Rank 1 either learnt of it from its collective (and says what happened) or was stopped by the launcher.
+    # Rank 1 learnt of it from its collective and says what happened, or was stopped by the launcher first. Where
+    # rank 1 still waited in the agreement before its backward when rank 0 exited (rank 0 had already passed it), that
+    # agreement fails; no second collective follows it.
     if 1 in errors:
-        assert "synced backward" in errors[1], errors[1]
+        assert "synced backward" in errors[1] or "agreement on this step's attempt" in errors[1], errors[1]
+
+
+class BreakTheAgreement(pl.Callback):
+    """On one rank, makes the agreement's all-reduce fail at one step, as it does when a peer's process is gone.
+
+    Counts the agreement calls this rank makes after that failure in ``after{rank}.txt``: there must be none.
+    """
+
+    def __init__(self, out_dir: str, step: int, rank: int) -> None:
+        self.out_dir, self.step, self.rank = out_dir, step, rank
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        import lightning_accum.callbacks.auto_micro_batching as amb
+
+        real, failed = amb.max_across_ranks, []
+
+        def max_across_ranks(trainer_: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
+            # The agreement reduces one flag; the peaks gathered after each step are two numbers.
+            if failed or (trainer_.global_step == self.step and tensor.numel() == 1):
+                failed.append(True)
+                with open(os.path.join(self.out_dir, f"after{trainer_.global_rank}.txt"), "w") as f:
+                    f.write(str(len(failed) - 1))
+                raise RuntimeError("Connection closed by peer (simulated)")
+            return real(trainer_, tensor)
+
+        amb.max_across_ranks = max_across_ranks
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gradient_sync", ["deferred", "overlap"])
+def test_a_failed_agreement_stops_the_rank_without_another_collective(tmp_path, gradient_sync):
+    # A collective that failed because a peer is gone must not be followed by another one (the "an error elsewhere"
+    # agreement): with gloo it fails again with the transport's bare message, with NCCL it can wait for the timeout.
+    model = OverlapModel(overlap_dataset(3), str(tmp_path), error="value_error", step=99)
+    callback = AutoMicroBatching(MICRO, count_items=count_tokens, gradient_sync=gradient_sync)
+    breaker = BreakTheAgreement(str(tmp_path), step=1, rank=1)
+    trainer = ddp_trainer(tmp_path, [callback, breaker], use_distributed_sampler=False)
+    with pytest.raises(Exception, match=r"agreement on this step's attempt|closed by peer"):
+        trainer.fit(model)
+    errors = read_errors(tmp_path)
+    assert errors[1].startswith("_AgreementFailed: The ranks' agreement on this step's attempt (step 1"), errors[1]
+    assert "Connection closed by peer (simulated)" in errors[1]
+    with open(os.path.join(tmp_path, "after1.txt")) as f:
+        assert f.read() == "0"  # no collective after the failed one
 
 
 class BatchNormModel(RaiseOnce):

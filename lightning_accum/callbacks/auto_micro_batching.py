@@ -317,6 +317,8 @@ class AutoMicroBatching(AccumulationOwner):
                 outcome = self._attempt(trainer, context, self._size)
         except _PeerFault as peer:
             agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
+        except _AgreementFailed:
+            raise  # the ranks can no longer talk: another collective would fail too, or wait for the timeout
         except Exception as err:  # classified below
             if self._agreed:
                 raise  # inside the synced backward: the other ranks are in DDP's all-reduce, not in an agreement
@@ -437,7 +439,14 @@ class AutoMicroBatching(AccumulationOwner):
         if trainer.world_size <= 1:
             return fault
         flags = torch.tensor([fault], dtype=torch.int64, device=trainer.strategy.root_device)
-        return int(max_across_ranks(trainer, flags).item())
+        try:
+            return int(max_across_ranks(trainer, flags).item())
+        except Exception as err:
+            raise _AgreementFailed(
+                f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
+                f" {self._size}) failed: {describe_error(err)}. Another rank most likely stopped (its process exited"
+                " or crashed) while this one waited for it; that rank's traceback says why."
+            ) from err
 
     @contextlib.contextmanager
     def _sync_blocked(self, trainer: pl.Trainer, blocked: bool) -> Iterator[None]:
@@ -507,6 +516,10 @@ class AutoMicroBatching(AccumulationOwner):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.planner.load_state_dict(state_dict.get("planner", {}))
+
+
+class _AgreementFailed(RuntimeError):
+    """The small all-reduce through which the ranks agree on an attempt failed: a peer is gone."""
 
 
 class _PeerFault(Exception):
