@@ -201,6 +201,20 @@ class MicroBatchPlanner:
             self._limit = self._initial_limit(step_batch_size)
         return self._balanced(self._limit, step_batch_size)
 
+    def start_from(self, size: int) -> None:
+        """Start an ``"auto"`` run at ``size`` instead of the whole step batch, e.g. a pre-flight's prediction.
+
+        A no-op once a size has been chosen (a step ran, or a checkpoint was restored): a prediction made before any
+        step never overrides a measurement.
+
+        Raises:
+            TypeError: if ``size`` is not an int.
+            ValueError: if ``size < 1``.
+        """
+        size = check_int(size, "size", 1)
+        if self._limit is None:
+            self._limit = max(self.min_micro_batch_size, size)
+
     def cooling_down_from(self, step: int) -> int | None:
         """The smallest size that failed recently: it and every larger size are off limits at ``step``."""
         for size in [s for s, until in self._failed.items() if until <= step]:

@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.data import DataLoader
 
 from lightning_accum import AutoMicroBatching
@@ -110,4 +111,58 @@ def test_overlap_mode_lets_ddp_sync_the_last_backward_once_per_step(tmp_path):
     ranks, expected = run(tmp_path, callback, steps=3)
     assert [r["allreduces"] for r in ranks] == [3, 3]
     assert [r["gradient_allreduces"] for r in ranks] == [0, 0]
+    assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- issue 12, item 3: the pre-flight's start is agreed by every rank ------------------------------------------------
+
+
+class SkewedTraceModel(SplitModel):
+    """Its trace on fake tensors (never the real step) differs by rank: 3 GiB more per sample on ``heavy_rank``, and
+    no trace at all on ``failing_rank``."""
+
+    def __init__(self, heavy_rank: int, failing_rank: int | None) -> None:
+        super().__init__()
+        self.heavy_rank, self.failing_rank = heavy_rank, failing_rank
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if not is_fake(loss):
+            return loss
+        rank = torch.distributed.get_rank()  # the traced copy has no Trainer, so its `global_rank` reads 0
+        if rank == self.failing_rank:
+            raise RuntimeError("this op has no fake implementation")
+        if rank == self.heavy_rank:
+            ballast = torch.empty(len(batch["x"]), 3 * 2**30 // 4)  # a fake tensor: nothing is allocated
+            loss = loss + 0 * ballast.sum()
+        return loss
+
+
+class SavePreflight(SaveSplitFigures):
+    def callback_figures(self, callback: AutoMicroBatching) -> dict[str, Any]:
+        found = callback.preflight_result
+        return {"traced": found is not None and found.peak_model is not None}
+
+
+@pytest.mark.parametrize(("heavy_rank", "failing_rank"), [(1, None), (0, 1)], ids=["smallest-wins", "one-fails"])
+def test_every_rank_starts_where_the_preflight_of_every_rank_allows(tmp_path, heavy_rank, failing_rank):
+    # smallest-wins: rank 1 predicts a smaller start than rank 0, and both ranks take it. one-fails: rank 0 predicts a
+    # smaller start, but rank 1 cannot trace, so every rank starts from the whole step batch. Unagreed, the ranks would
+    # split their step batches differently.
+    dataset = TokenDataset(2 * STEP_BATCH * 2, seed=1)
+    model = SkewedTraceModel(heavy_rank, failing_rank)
+    initial = copy.deepcopy(model)
+    callback = AutoMicroBatching(count_items=count_tokens)
+    trainer = ddp_trainer(tmp_path, [callback, SavePreflight(str(tmp_path))])
+    trainer.fit(model, DataLoader(dataset, batch_size=STEP_BATCH))
+    ranks = load_ranks(tmp_path)
+    assert [r["traced"] for r in ranks] == [True, failing_rank is None]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"]
+    if failing_rank is None:
+        assert ranks[0]["sizes"][0] < STEP_BATCH  # rank 0 alone would have started at the whole step batch
+    else:
+        assert ranks[0]["sizes"][0] == STEP_BATCH  # rank 0 alone would have started smaller
+    assert [r["oom_retries"] for r in ranks] == [0, 0]
+    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
+    expected = replay_reference(initial, dataset, windows, token_loss, lr=0.05)
     assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_accum import _compat
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
-from lightning_accum.memory.backends import MemoryBackend, backend_for
+from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
 from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.normalization import (
@@ -30,6 +30,7 @@ from lightning_accum.normalization import (
     count_items,
 )
 from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.probe.preflight import Preflight, preflight
 from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.step_logs import StepLogCombiner
@@ -47,6 +48,9 @@ class AutoMicroBatching(AccumulationOwner):
     `lightning_accum.AccumulationScheduler`. ``b`` adapts to memory, so ``k = ceil(B / b)`` does too, while
     the effective batch size stays the dataloader's.
 
+    * **Cold start without an OOM.** With ``micro_batch_size="auto"``, the first step is traced on fake tensors at
+      two micro-batch sizes (nothing is allocated), and the run starts at the largest size predicted to fit
+      (`lightning_accum.probe.preflight`). Where tracing fails, it starts from the whole step batch as before.
     * **OOM recovery.** An out-of-memory error in any micro-batch's forward or backward discards the attempt's
       gradients, frees memory, shrinks ``b`` and re-runs the same step batch: no sample is lost or counted twice.
       Every rank learns of the OOM through one small all-reduce and retries together.
@@ -92,6 +96,9 @@ class AutoMicroBatching(AccumulationOwner):
         batch_size_of: counts the samples of a batch, ``batch_size_of(batch) -> int`` (or an import path). Default:
             a ``batch_size_of`` method of the LightningModule, else the built-in rules.
         fault_injector: raises simulated OOMs at chosen points, for testing recovery.
+        preflight: with ``micro_batch_size="auto"`` and ``predictive=True``, trace the first step on fake tensors
+            and start at the largest size predicted to fit, keeping 10% of the free memory for what the trace can't
+            see. ``False`` starts from the whole step batch and halves on each OOM. A resumed run keeps its size.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -124,6 +131,7 @@ class AutoMicroBatching(AccumulationOwner):
         split_batch: SplitBatchFn | str | None = None,
         batch_size_of: BatchSizeFn | str | None = None,
         fault_injector: OOMInjector | None = None,
+        preflight: bool = True,
     ) -> None:
         super().__init__(count_items, loss_reduction)
         self._max_memory_given = max_memory  # as the user wrote it, for the run config
@@ -139,6 +147,10 @@ class AutoMicroBatching(AccumulationOwner):
             raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
         self.gradient_sync: GradientSync = gradient_sync
         self.fault_injector = fault_injector
+        if not isinstance(preflight, bool):
+            raise TypeError(f"`preflight` must be a bool, got {preflight!r}.")
+        self.preflight = preflight
+        self.preflight_result: Preflight | None = None  # what the cold start's trace found (this rank's)
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
         self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
         self._hooks = resolve_batch_hooks(None, **self._hook_arguments)  # checks the arguments now
@@ -167,6 +179,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._window_loss = LossSum()
         self._totals: WindowTotals | None = None
         self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
+        self._cold = False  # the first step of a run that has not chosen a size yet
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -216,6 +229,13 @@ class AutoMicroBatching(AccumulationOwner):
         self._logs = StepLogCombiner(pl_module)
         self._capacity_bytes = capacity
         self._install(_compat.install_split_closure(trainer, self._run_step))
+        planner = self.planner
+        self._cold = (
+            self.preflight
+            and planner.predictive
+            and planner.micro_batch_size_setting == "auto"
+            and planner.micro_batch_size is None  # not resumed with a size already chosen
+        )
         log_info(
             f"lightning_accum: split mode, memory budget {budget / GIB:.2f} GiB of {capacity / GIB:.2f} GiB"
             f" ({self._backend.name})"
@@ -240,6 +260,7 @@ class AutoMicroBatching(AccumulationOwner):
             "predictive": planner.predictive,
             "gradient_sync": self.gradient_sync,
             "split_batch": self._hooks.split_batch_source,
+            "preflight": self.preflight,
         }
 
     @override
@@ -273,8 +294,55 @@ class AutoMicroBatching(AccumulationOwner):
             # measured at the new size; release it once, not every step (re-faulting pages costs throughput).
             release_memory()
             self._size_changed = False
+        if self._cold:
+            self._cold = False
+            self._start_from_preflight(trainer, pl_module, batch)
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
+
+    def _start_from_preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Trace the first step on fake tensors and start at the largest size predicted to fit, on every rank alike.
+
+        Every rank calls one small all-reduce here, whatever its trace found: the smallest prediction wins, and a
+        failed trace on any rank means every rank starts from the whole step batch, as without a pre-flight.
+        """
+        assert self._backend is not None
+        budget = self.planner.budget_bytes
+        step_batch_size = self._hooks.batch_size(batch)
+        small, large = max(1, step_batch_size // 4), max(1, step_batch_size // 2)
+        start, why = None, f"a step batch of {step_batch_size} is too small to trace at two sizes"
+        if small < large and budget is not None:
+            found = preflight(
+                pl_module,
+                batch,
+                (small, large),
+                optimizers=trainer.optimizers,
+                precision=trainer.precision,
+                hooks=self._hooks,
+            )
+            self.preflight_result = found
+            start = found.starting_micro_batch_size(
+                budget, step_batch_size, self._backend.current_bytes(), free_bytes(self._backend)
+            )
+            why = found.reason or "not even a micro-batch of 1 is predicted to fit"
+            if found.peak_model is not None and start is None:
+                start = self.planner.min_micro_batch_size  # predicted not to fit at all: begin where an OOM ends
+        # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
+        local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
+        failed, negative_start = (int(v) for v in max_across_ranks(trainer, local).tolist())
+        seconds = 0.0 if self.preflight_result is None else self.preflight_result.seconds
+        if failed:
+            log_info(
+                f"lightning_accum: pre-flight fell back to probing from the whole step batch ({why}, on this or"
+                " another rank)"
+            )
+            return
+        self.planner.start_from(-negative_start)
+        log_info(
+            f"lightning_accum: pre-flight traced micro-batches of {small} and {large} on fake tensors in"
+            f" {seconds:.2f} s; starting at micro-batch size {self.planner.size_for(step_batch_size)}"
+            f" of {step_batch_size}"
+        )
 
     def _run_step(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step: every micro-batch's forward and backward, retried after an OOM.

@@ -146,14 +146,31 @@ class DeviceBackend:
         return None if peak is None else int(peak)
 
     def capacity_bytes(self) -> int:
+        """The device's memory, times the allocator's per-process fraction where one is set (CUDA)."""
         properties = getattr(self._module, "get_device_properties", None)
         if properties is not None:
-            return int(properties(self.index).total_memory)
-        _, total = self._module.mem_get_info(self.index)
-        return int(total)
+            total = int(properties(self.index).total_memory)
+        else:
+            total = int(self._module.mem_get_info(self.index)[1])
+        fraction = self._call("get_per_process_memory_fraction", 1.0)
+        return int(total * fraction) if 0 < fraction < 1 else total
 
     def alloc_retries(self) -> int:
         return int(self._call("memory_stats", {}).get("num_alloc_retries", 0))
+
+    def free_bytes(self) -> int | None:
+        """What can still be allocated.
+
+        That is the driver's free memory plus the allocator's cached, unused blocks, and no more than the
+        per-process fraction leaves (`capacity_bytes` minus what is allocated).
+        """
+        mem_get_info = getattr(self._module, "mem_get_info", None)
+        if mem_get_info is None:
+            return None
+        free, _ = mem_get_info(self.index)
+        allocated = self.current_bytes()
+        cached = max(0, int(self._call("memory_reserved", 0)) - allocated)
+        return max(0, min(int(free) + cached, self.capacity_bytes() - allocated))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.name}:{'current' if self._index is None else self._index})"
@@ -306,6 +323,24 @@ class CPUBackend:
     def peak_reserved_bytes(self) -> int | None:
         return None
 
+    def free_bytes(self) -> int | None:
+        """What the process can still allocate before an allocation fails, where the OS says.
+
+        Under a soft ``RLIMIT_AS`` that is the limit minus the address space in use (``VmSize``, which counts far
+        more than the resident set: every mapped library and reserved heap). Otherwise it is the system's
+        ``MemAvailable``. ``None`` where neither is known (no ``/proc``). A cgroup limit is not read here: the budget
+        against the resident set covers it.
+        """
+        candidates = []
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        vm_size = self._status_kib("VmSize")
+        if soft != resource.RLIM_INFINITY and soft > 0 and vm_size is not None:
+            candidates.append(max(0, int(soft) - vm_size * _KIB))
+        available = _meminfo_kib("MemAvailable")
+        if available is not None:
+            candidates.append(available * _KIB)
+        return min(candidates) if candidates else None
+
     def capacity_bytes(self) -> int:
         if self._capacity is not None:
             return self._capacity
@@ -393,6 +428,23 @@ def _as_device(device: torch.device | str | int, default_type: str) -> torch.dev
     raise TypeError(
         f"`device` must be a torch.device, a str or an int, got {device!r} of type {type(device).__name__}."
     )
+
+
+def _meminfo_kib(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def free_bytes(backend: MemoryBackend) -> int | None:
+    """``backend.free_bytes()`` where the backend has it (CPU, CUDA, XPU), else ``None``."""
+    method = getattr(backend, "free_bytes", None)
+    return None if method is None else method()
 
 
 def _physical_memory() -> int:

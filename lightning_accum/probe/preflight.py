@@ -8,9 +8,9 @@ copied for real) runs a warm-up step, then one step of two micro-batches at each
 implementation, a data-dependent shape, a ``.item()`` in ``training_step``, an attribute ``deepcopy`` refuses), the
 result holds no model and says why, and the caller falls back to probing for the size.
 
-The traced peaks count live tensors only. `Preflight.starting_micro_batch_size` adds what the device holds beyond
-them (the CUDA context is not in ``memory_allocated``, but the CPU's resident set holds the interpreter) and keeps a
-margin free for what fake tensors can't see (see `lightning_accum.memory.fake`).
+The traced peaks count live tensors only, so `Preflight.starting_micro_batch_size` predicts what a step *adds* to
+the memory in use now, and fits it in what is free (under the budget, and under what the device can still
+allocate), keeping a margin for what fake tensors can't see (see `lightning_accum.memory.fake`).
 
 Examples:
     >>> import lightning.pytorch as pl
@@ -73,16 +73,26 @@ class Preflight:
     seconds: float = 0.0
 
     def starting_micro_batch_size(
-        self, budget_bytes: float, upper: int, current_bytes: int = 0, margin: float = CUDA_HEADROOM
+        self,
+        budget_bytes: float,
+        upper: int,
+        current_bytes: int = 0,
+        free_bytes: int | None = None,
+        margin: float = CUDA_HEADROOM,
     ) -> int | None:
-        """The largest micro-batch predicted to fit ``budget_bytes``, or ``None`` (no model, or not even 1 fits).
+        """The largest micro-batch predicted to fit, or ``None`` (no model, or not even 1 fits).
+
+        What a step adds to memory is its traced peak minus the live tensors when the trace started,
+        ``peak(b) - baseline_bytes``. It must fit what is free, less ``margin`` of it for what the trace can't see:
+        ``peak(b) - baseline_bytes <= (1 - margin) * min(budget_bytes - current_bytes, free_bytes)``.
 
         Args:
             budget_bytes: the memory budget, as the device backend measures it.
             upper: the step batch size: the micro-batch is never larger.
-            current_bytes: what the backend measures now, before the step: what it holds beyond the traced
-                tensors (``current_bytes - baseline_bytes``) is added to every predicted peak.
-            margin: the share of the budget kept free for what the trace can't see.
+            current_bytes: what the backend measures now, before the step (the traced baseline is part of it).
+            free_bytes: what the device can still allocate (`lightning_accum.memory.backends.free_bytes`), when
+                that is less than the budget's room: under an address-space limit on CPU, for example.
+            margin: the share of the free memory kept for what the trace can't see.
 
         Raises:
             ValueError: if ``margin`` is not in ``[0, 1)``.
@@ -91,8 +101,10 @@ class Preflight:
             raise ValueError(f"`margin` must be a fraction in [0, 1), got {margin!r}.")
         if self.peak_model is None:
             return None
-        untraced = max(0, current_bytes - self.baseline_bytes)
-        return self.peak_model.largest_fitting(max(0.0, budget_bytes * (1 - margin) - untraced), upper=upper)
+        room = budget_bytes - current_bytes
+        if free_bytes is not None:
+            room = min(room, free_bytes)
+        return self.peak_model.largest_fitting(self.baseline_bytes + max(0.0, (1 - margin) * room), upper=upper)
 
 
 def preflight(

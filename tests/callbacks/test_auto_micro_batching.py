@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import logging
 import warnings
 
 import pytest
@@ -217,6 +218,82 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
     assert max(peaks[last_shrink:]) <= budget, [round((p - budget) / 2**20) for p in peaks]
 
 
+# ---- the cold start's pre-flight (issue 12, item 3) ------------------------------------------------------------------
+
+
+class DataDependentModel(SplitTokenModel):
+    """Reads a number from the batch in ``training_step``: fake tensors cannot trace it; real ones run unchanged."""
+
+    def training_step(self, batch, batch_idx):
+        keep = int(batch["mask"].sum() >= 0)  # always 1 for real, data-dependent for a trace
+        return super().training_step({k: v[: keep * len(v)] for k, v in batch.items()}, batch_idx)
+
+
+def test_the_cold_start_is_traced_and_starts_at_the_predicted_size(tmp_path, caplog):
+    per_sample = 8 * (1 << 16) * 4
+    model = ActivationHeavyModel(ballast_steps=range(0), ballast_bytes=0)
+    from lightning_accum.memory.backends import CPUBackend
+
+    budget = CPUBackend().current_bytes() + 24 * per_sample  # room for about 24 samples of the 64-sample step batch
+    callback = AutoMicroBatching("auto", max_memory=budget, count_items=count_tokens)
+    with caplog.at_level(logging.INFO, logger="lightning_accum"):
+        make_trainer(tmp_path, [callback], max_steps=2).fit(model, DataLoader(TokenDataset(128), batch_size=64))
+    found = callback.preflight_result
+    assert found is not None and found.reason is None and sorted(found.peaks) == [16, 32]
+    # Per sample, the trace sees the (T x width) activation and its mean's input: within 10% of the arithmetic.
+    assert found.peak_model.per_sample_bytes == pytest.approx(per_sample, rel=0.1)
+    assert 1 < model.step_sizes[0] < 64 and callback.oom_retries == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("lightning_accum: pre-flight traced micro-batches of 16 and 32") for m in messages)
+
+
+def test_the_cold_start_falls_back_to_the_whole_step_batch_where_tracing_fails(tmp_path, caplog):
+    callback = AutoMicroBatching("auto", count_items=count_tokens)
+    model = DataDependentModel()
+    with caplog.at_level(logging.INFO, logger="lightning_accum"):
+        make_trainer(tmp_path, [callback], max_steps=1).fit(model, DataLoader(TokenDataset(16), batch_size=16))
+    assert callback.preflight_result.peak_model is None
+    assert model.micro_batch_sizes[0] == 16
+    line = next(r.getMessage() for r in caplog.records if "pre-flight" in r.getMessage())
+    assert line.startswith("lightning_accum: pre-flight fell back to probing from the whole step batch (")
+    assert "DataDependentOutputException" in line
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"preflight": False}, "turned off"),
+        ({"micro_batch_size": 8}, "an int size"),
+        ({"predictive": False}, "halving"),
+    ],
+)
+def test_no_preflight_runs_where_it_is_off_or_has_nothing_to_decide(tmp_path, kwargs, why):
+    callback = AutoMicroBatching(count_items=count_tokens, **kwargs)
+    make_trainer(tmp_path, [callback], max_steps=1).fit(SplitTokenModel(), DataLoader(TokenDataset(16), batch_size=16))
+    assert callback.preflight_result is None, why
+
+
+def test_a_resumed_run_keeps_its_size_and_traces_nothing(tmp_path):
+    injector = OOMInjector(OOMFault(step=0, micro_batch=0, phase="forward"))
+    callback = AutoMicroBatching(count_items=count_tokens, fault_injector=injector, oom_cooldown=50)
+    trainer = make_trainer(tmp_path, [callback], max_steps=1)
+    trainer.fit(SplitTokenModel(), DataLoader(TokenDataset(64), batch_size=16))
+    assert callback.preflight_result is not None and callback.planner.micro_batch_size == 8  # traced 16; OOM: 8
+    trainer.save_checkpoint(tmp_path / "split.ckpt")
+
+    resumed_callback = AutoMicroBatching(count_items=count_tokens, oom_cooldown=50)
+    resumed = SplitTokenModel()
+    resumed_trainer = make_trainer(tmp_path, [resumed_callback], max_steps=5, max_epochs=2)
+    resumed_trainer.fit(resumed, DataLoader(TokenDataset(64), batch_size=16), ckpt_path=tmp_path / "split.ckpt")
+    assert resumed_callback.preflight_result is None
+    assert max(resumed.micro_batch_sizes) == 8
+
+
+def test_preflight_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"`preflight` must be a bool, got 'yes'"):
+        AutoMicroBatching(preflight="yes")
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(0.5, 0.5), (8 * 2**30, 8 * 2**30), (8.0 * 2**30, 8 * 2**30), ("8GiB", 8 * 2**30), ("500 MB", 500 * 10**6)],
@@ -417,6 +494,7 @@ def test_accumulate_grad_batches_set_later_is_refused_before_the_step(tmp_path):
                 "oom_cooldown": 200,
                 "predictive": True,
                 "gradient_sync": "deferred",
+                "preflight": True,
             },
         ),
         (
@@ -432,6 +510,7 @@ def test_accumulate_grad_batches_set_later_is_refused_before_the_step(tmp_path):
                 "oom_cooldown": 7,
                 "predictive": False,
                 "gradient_sync": "overlap",
+                "preflight": False,
             },
             {"count_items": "count_tokens"},
         ),

@@ -297,6 +297,34 @@ def test_device_backend_falls_back_where_the_module_lacks_a_call(cls: type[Devic
     assert [name for name, _ in fake.asked] == ["memory_allocated", "memory_allocated", "mem_get_info"]
 
 
+def test_device_backend_capacity_and_free_bytes_respect_the_per_process_fraction():
+    fake = FakeDeviceModule()
+    fake.answers["memory_reserved"] = 10 * MiB
+    backend = CUDABackend(0, device_module=fake)
+    # No fraction call (an older torch): the whole device; free is the driver's plus the allocator's cached 7 MiB.
+    assert backend.capacity_bytes() == 80 * GIB
+    assert backend.free_bytes() == 48 * GIB + 7 * MiB
+    # `set_per_process_memory_fraction(0.25)`: the allocator refuses past 20 GiB, whatever the driver has free.
+    fake.answers["get_per_process_memory_fraction"] = 0.25
+    assert backend.capacity_bytes() == 20 * GIB
+    assert backend.free_bytes() == 20 * GIB - 3 * MiB
+
+
+def test_cpu_free_bytes_is_the_room_left_under_an_address_space_limit(tmp_path, monkeypatch):
+    import resource
+
+    import lightning_accum.memory.backends as backends
+
+    backend = CPUBackend(proc_dir=str(tmp_path))
+    (tmp_path / "status").write_text("VmSize:\t 1048576 kB\nVmRSS:\t 4096 kB\n")
+    free = backend.free_bytes()
+    assert free is not None and free > 0  # no limit here: the system's MemAvailable
+    # A soft limit of 1 GiB + 300 MiB (not set for real: this process maps far more than 1 GiB).
+    limit = (1024**3 + 300 * MiB, resource.RLIM_INFINITY)
+    monkeypatch.setattr(backends.resource, "getrlimit", lambda which: limit if which == resource.RLIMIT_AS else (0, 0))
+    assert backend.free_bytes() == 300 * MiB  # the limit minus VmSize (1 GiB), not minus the resident set
+
+
 @pytest.mark.parametrize("device_type", ["cuda", "xpu"])
 def test_device_backend_uses_torchs_own_module_by_default(device_type: str):
     backend = backend_for(device_type)

@@ -105,15 +105,17 @@ def test_preflight_falls_back_with_a_reason_when_tracing_fails(module, reason):
     assert found.starting_micro_batch_size(budget_bytes=2**30, upper=8) is None  # the caller probes as before
 
 
-def test_starting_micro_batch_size_adds_what_the_trace_cannot_see_and_keeps_a_margin():
+def test_starting_micro_batch_size_fits_what_a_step_adds_into_the_free_memory_less_a_margin():
     model = LinearPeakModel()
     model.observe(1, 1000 + 100)
     model.observe(2, 1000 + 200)
     found = Preflight(model, peaks={1: 1100, 2: 1200}, baseline_bytes=500)
-    # usable = 2000 * (1 - 0.1) - (700 - 500) = 1600 -> 1000 + 100 b <= 1600 -> b = 6
+    # A step adds peak(b) - 500 = 500 + 100 b. Room: (2000 - 700) * 0.9 = 1170 -> b = 6.
     assert found.starting_micro_batch_size(2000, upper=64, current_bytes=700, margin=0.1) == 6
     assert found.starting_micro_batch_size(2000, upper=4, current_bytes=700, margin=0.1) == 4
-    assert found.starting_micro_batch_size(1000, upper=64) is None
+    # Less free than the budget says (an address-space limit): room 900 * 0.9 = 810 -> b = 3.
+    assert found.starting_micro_batch_size(2000, upper=64, current_bytes=700, free_bytes=900, margin=0.1) == 3
+    assert found.starting_micro_batch_size(1000, upper=64, current_bytes=700) is None  # not even 1 fits
     with pytest.raises(ValueError, match=r"`margin` must be a fraction in \[0, 1\), got 1.5"):
         found.starting_micro_batch_size(2000, upper=64, margin=1.5)
 

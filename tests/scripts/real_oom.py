@@ -1,11 +1,12 @@
 """Train under a real address-space limit where the whole step batch cannot fit (run as a subprocess).
 
-Usage: python -m tests.scripts.real_oom OUT.pt HEADROOM_MIB [--no-limit] [--plain] [--bytearray]
+Usage: python -m tests.scripts.real_oom OUT.pt HEADROOM_MIB [--no-limit] [--plain] [--bytearray] [--no-preflight]
 
 ``--plain`` trains without AutoMicroBatching (the unconstrained full-batch reference); ``--no-limit`` skips the
 limit. ``--bytearray`` makes ``training_step`` first allocate a scratch ``bytearray`` of ``BYTEARRAY_PER_SAMPLE``
-bytes per sample, whose failure is a bare ``MemoryError()`` without a message. The final parameters, what the
-callback did and its log lines are saved to OUT.pt.
+bytes per sample, whose failure is a bare ``MemoryError()`` without a message. ``--no-preflight`` starts cold from
+the whole step batch, as before the pre-flight existed. The final parameters, what the callback did, its log lines
+and each step's wall time are saved to OUT.pt.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 import resource
 import sys
+import time
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -56,6 +59,20 @@ class Wide(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class StepTimes(pl.Callback):
+    """Wall time of each optimizer step, from batch start to batch end (the pre-flight runs inside the first)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
 def vm_size() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -70,12 +87,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(3 * STEP_BATCH, 64, generator=g), torch.randn(3 * STEP_BATCH, 1, generator=g))
     model = Wide(BYTEARRAY_PER_SAMPLE if "--bytearray" in sys.argv else 0)
-    callback = None if plain else AutoMicroBatching("auto", max_memory=1.0)
+    callback = None if plain else AutoMicroBatching("auto", max_memory=1.0, preflight="--no-preflight" not in sys.argv)
+    times = StepTimes()
     lines = _Lines()
     logging.getLogger("lightning_accum").addHandler(lines)
     logging.getLogger("lightning_accum").setLevel(logging.INFO)
     trainer = pl.Trainer(
-        **quiet_trainer_kwargs(accelerator="cpu", max_epochs=1, callbacks=[callback] if callback else [])
+        **quiet_trainer_kwargs(accelerator="cpu", max_epochs=1, callbacks=[callback, times] if callback else [times])
     )
     loader = DataLoader(data, batch_size=STEP_BATCH)
     if "--no-limit" not in sys.argv:
@@ -92,6 +110,8 @@ def main() -> None:
             "oom_retries": callback.oom_retries if callback else 0,
             "events": [(e.step, e.kind, e.before, e.after) for e in callback.events] if callback else [],
             "log": lines.lines,
+            "step_seconds": times.seconds,
+            "preflight_seconds": callback.preflight_result.seconds if callback and callback.preflight_result else None,
         },
         out,
     )
