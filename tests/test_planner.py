@@ -366,6 +366,40 @@ def test_a_fitted_model_settles_without_any_oom():
     assert result.ooms == 0 and result.final_size == balanced(49, 256)
 
 
+@pytest.mark.parametrize("trace_error", [-0.08, 0.0, 0.08])
+def test_a_preflight_start_settles_without_any_oom(trace_error):
+    # The pre-flight's trace sees the per-sample memory to within +-8% (the margin keeps 10% of the free memory); the
+    # device holds FIXED already (current) and the trace's baseline is 0. Cold, the planner needs 3 OOMs to settle.
+    from lightning_accum.probe.preflight import Preflight
+
+    model = LinearPeakModel()
+    for b in (64, 128):
+        model.observe(b, PER_SAMPLE * (1 + trace_error) * b)
+    start = Preflight(model, peaks={}, baseline_bytes=0).starting_micro_batch_size(
+        BUDGET, upper=256, current_bytes=FIXED, free_bytes=CAPACITY - FIXED
+    )
+    p = planner()
+    p.start_from(start)
+    traced = simulate(p, step_batch_size=256, steps=1000, peak_bytes=steady, capacity_bytes=CAPACITY)
+    cold = run(True)
+    print(f"\ntrace error {trace_error:+.0%}: start b={start}, {traced.ooms} OOMs (cold: {cold.ooms_to_settle})")
+    assert cold.ooms_to_settle == 3
+    assert traced.ooms == 0 and traced.oom_steps == []
+    assert peak(traced.final_size) <= BUDGET
+
+
+def test_start_from_never_overrides_a_size_already_chosen():
+    p = planner()
+    p.size_for(256)
+    p.start_from(8)
+    assert p.size_for(256) == 256  # a prediction made before any step never overrides a measurement
+    fresh = planner(min_micro_batch_size=4)
+    fresh.start_from(2)
+    assert fresh.size_for(256) == 4  # never below the minimum
+    with pytest.raises(ValueError, match=r"`size` must be an int >= 1, got 0"):
+        fresh.start_from(0)
+
+
 def test_grows_back_after_a_memory_hungry_phase():
     for predictive in (True, False):
         result = run(predictive, hungry, steps=1200)
