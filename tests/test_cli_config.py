@@ -184,6 +184,7 @@ def test_split_auto_config_builds_auto_micro_batching_and_the_monitor(tmp_path: 
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationMonitor)]
     assert splitter.max_memory == 0.8
     assert splitter.planner.micro_batch_size_setting == "auto"
+    assert splitter.preflight is True
     assert splitter.planner.grow_patience == 20
     assert splitter.count_items == CountTokens()
     assert monitor.logging_interval == 1
