@@ -91,6 +91,77 @@ def disable_backward_sync_blocking(strategy: Any) -> Callable[[], None]:
     return lambda: strategy.__dict__.pop("block_backward_sync", None)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 (``fully_shard`` under ``ModelParallelStrategy``)
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning wraps every micro-batch but a window's last in `strategy.block_backward_sync()`
+# (`_block_parallel_sync_behavior` in `loops/utilities.py`, called from `_AutomaticOptimization._run_optimization`).
+# `ParallelStrategy.block_backward_sync` (`strategies/parallel.py`) enters `self.model.no_sync()` only when the model
+# matches the `DistributedDataParallel` protocol, i.e. has `no_sync`: DDP and FSDP1 do, FSDP2 modules don't, so under
+# `ModelParallelStrategy` every micro-batch reduce-scatters. Fabric's `ModelParallelStrategy` blocks it with
+# `FSDPModule.set_requires_gradient_sync(False)` (`_FSDPNoSync` in `fabric/strategies/model_parallel.py`); window mode
+# does the same for the Trainer. `tests/test_fsdp2.py` counts the reduce-scatters and fails if this stops holding.
+
+
+def fsdp2_modules(module: Any) -> list[Any]:
+    """The FSDP2 modules (``fully_shard``-ed) inside ``module``, outermost first; empty without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]  # torch 2.4, 2.5
+        except ImportError:
+            return []
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def no_fsdp2_gradient_sync(module: Any) -> Iterator[None]:
+    """Hold back FSDP2's gradient reduce-scatter for the backward passes inside the block (FSDP1's ``no_sync``).
+
+    Each FSDP2 module then accumulates its gradients unsharded, as large as its unsharded parameters, and the next
+    backward outside the block reduce-scatters the sum once. The modules sync again when the block ends, also on
+    error. Does nothing when ``module`` holds no FSDP2 module.
+    """
+    with _gradient_sync_off(fsdp2_modules(module)):
+        yield
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(modules: list[Any]) -> Iterator[None]:
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def block_fsdp2_backward_sync(strategy: Any) -> Callable[[], None]:
+    """Make ``strategy.block_backward_sync()`` hold back FSDP2's reduce-scatter as well as DDP's all-reduce.
+
+    Window mode's default under ``ModelParallelStrategy``: one reduce-scatter per FSDP2 module per optimizer step
+    instead of one per micro-batch. Call it once the model is sharded (``configure_model`` has run, e.g. in
+    ``on_train_start``); without FSDP2 modules the strategy is left alone. The strategy's own blocking still runs
+    inside. Returns a function that undoes it.
+    """
+    modules = fsdp2_modules(getattr(strategy, "model", None))
+    original = getattr(strategy, "block_backward_sync", None)
+    if not modules or not callable(original):
+        return lambda: None
+
+    @contextlib.contextmanager
+    def block_backward_sync() -> Iterator[None]:
+        with _gradient_sync_off(modules), original():
+            yield
+
+    strategy.block_backward_sync = block_backward_sync
+    return lambda: strategy.__dict__.pop("block_backward_sync", None)
+
+
 @contextlib.contextmanager
 def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
     old = getattr(obj, name)

@@ -34,7 +34,8 @@ class AccumulationScheduler(AccumulationOwner):
     The dataloader yields micro-batches; this callback decides how many make one optimizer step and makes every
     step's gradient equal to the gradient of the mean loss over all items of the window on all ranks. That holds for
     the short last window of an epoch, for micro-batches of uneven size, for token losses (``count_items``) and under
-    DDP, where gradients are all-reduced once per optimizer step. Gradient clipping sees the exact gradient.
+    DDP and FSDP2 (``ModelParallelStrategy`` with ``fully_shard``), where gradients are all-reduced or reduce-scattered
+    once per optimizer step. Gradient clipping sees the exact gradient.
 
     A change of ``k`` takes effect at the next window boundary, also mid-epoch, and is logged. Windows never cross an
     epoch boundary. ``trainer.estimated_stepping_batches`` counts the optimizer steps the schedule really takes
@@ -52,7 +53,9 @@ class AccumulationScheduler(AccumulationOwner):
         loss_reduction: whether ``training_step`` returns the ``"mean"`` or the ``"sum"`` of the loss over the items
             of its micro-batch.
         sync_every_micro_batch: all-reduce (or reduce-scatter) gradients after every micro-batch instead of once per
-            step. It costs communication and, under FSDP, saves the memory of full unsharded gradients.
+            step. It costs communication and, under FSDP, saves memory: with the default, every rank holds the
+            unsharded gradients of the whole model through the window, since the sync is deferred to its last
+            micro-batch.
 
     Raises:
         TypeError: ``schedule`` or one of its keys or values has the wrong type, or ``sync_every_micro_batch`` is
@@ -143,9 +146,15 @@ class AccumulationScheduler(AccumulationOwner):
                 " inside `training_step` instead."
             )
         if trainer.strategy.handles_gradient_accumulation or "deepspeed" in type(trainer.strategy).__name__.lower():
+            name = type(trainer.strategy).__name__
+            # Lightning writes `accumulate_grad_batches` into DeepSpeed's config as `gradient_accumulation_steps` and
+            # refuses that key in a user's config (`DeepSpeedStrategy._format_batch_size_and_grad_accum_config`).
             raise RuntimeError(
-                f"`AccumulationScheduler` cannot run with {type(trainer.strategy).__name__}: that strategy accumulates"
-                " gradients by itself. Set accumulation in the strategy's own config and remove the callback."
+                f"`AccumulationScheduler` cannot run with {name}: that strategy accumulates gradients by itself"
+                f" (`Trainer(strategy={name}(...))`). Remove the callback and set `Trainer(accumulate_grad_batches=k)`,"
+                " which Lightning hands to the strategy (DeepSpeed's `gradient_accumulation_steps`; leave that key out"
+                " of the DeepSpeed config). For exact token-weighted windows, shard with `ModelParallelStrategy` and"
+                " `fully_shard` (FSDP2) instead, which this callback supports."
             )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise RuntimeError(
@@ -170,6 +179,9 @@ class AccumulationScheduler(AccumulationOwner):
         )
         if self.sync_every_micro_batch:
             self._install(_compat.disable_backward_sync_blocking(trainer.strategy))
+        else:
+            # Lightning blocks DDP's and FSDP1's sync on all micro-batches but a window's last; FSDP2's needs this.
+            self._install(_compat.block_fsdp2_backward_sync(trainer.strategy))
         self._new_window = True
 
     def _estimate_optimizer_steps(self, batches_per_epoch: int) -> int:
