@@ -125,8 +125,13 @@ class ManualAccumulation:
         n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
         weight = self.normalizer.add_micro_batch(n_items, n_samples)
         window_complete = self._position >= self._k - 1 or _compat.is_last_training_batch(trainer)
-        blocking = trainer.strategy.block_backward_sync() if hasattr(trainer.strategy, "block_backward_sync") else None
-        with blocking if (blocking is not None and not window_complete) else contextlib.nullcontext():
+        with contextlib.ExitStack() as no_sync:
+            if not window_complete:
+                # DDP's `no_sync` (through the strategy) and FSDP2's held-back reduce-scatter, which Lightning's
+                # `block_backward_sync` does not cover.
+                if hasattr(trainer.strategy, "block_backward_sync"):
+                    no_sync.enter_context(trainer.strategy.block_backward_sync())
+                no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
             module.manual_backward(loss * weight, *args, **kwargs)
         if not window_complete:
             self._position += 1
