@@ -210,8 +210,14 @@ class AdaptiveBatchSize:
     as the loss falls. This schedule measures it in every window (at the cost of two gradient norms, see
     `lightning_accum.noise_scale`) and, after each optimizer step, aims ``k`` at
     ``factor · B_noise / (items per micro-batch · world size)``, clamped to ``[min_accumulation_steps,
-    max_accumulation_steps]``. A change lands at the next window boundary. It needs windows of at least two
-    micro-batches to measure anything, so ``min_accumulation_steps`` defaults to 2.
+    max_accumulation_steps]``. A change lands at the next window boundary, moves ``k`` by at most ``max_growth``,
+    and waits ``warmup_windows`` windows after the last one: a single window's estimate of ``|G|²`` can be near zero
+    or negative (the difference of two noisy norms), and the noise scale it gives is then huge.
+
+    It needs windows of at least two micro-batches to measure anything, and the two batch sizes it compares (one
+    micro-batch, the whole window) should differ by more than 2x: on the char LM example, windows of 2 gave a
+    negative or undefined ``|G|²`` in 44 of 256 windows, windows of 4 and 8 in none. So ``min_accumulation_steps``
+    defaults to 4.
 
     Use it with `lightning_accum.AccumulationScheduler`; the estimate and ``k`` round-trip through checkpoints.
 
@@ -219,25 +225,27 @@ class AdaptiveBatchSize:
         min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
         max_accumulation_steps: the largest ``k``.
         factor: the target global batch as a multiple of the noise scale.
-        warmup_windows: windows measured before ``k`` may change.
+        warmup_windows: windows measured before ``k`` may change, and between two changes.
         hysteresis: how far (relative to the current ``k``) the target must move before ``k`` follows.
         allow_decrease: let ``k`` go down when the noise scale falls (by default it never does).
+        max_growth: the largest factor by which one change multiplies (or divides) ``k``; ``None`` lets ``k`` jump
+            straight to its target.
         lr_scaling: when ``k`` changes, multiply the learning rate of every param group by ``k_new / k_old``
             (``"linear"``) or its square root (``"sqrt"``); ``None`` leaves it alone.
         beta: the noise-scale moving average's decay per window.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: a bound < 1 or ``max < min``, ``factor <= 0``, ``hysteresis < 0``, an unknown ``lr_scaling``,
-            or ``beta`` outside ``[0, 1)``.
+        ValueError: a bound < 1 or ``max < min``, ``factor <= 0``, ``hysteresis < 0``, ``max_growth <= 1``, an
+            unknown ``lr_scaling``, or ``beta`` outside ``[0, 1)``.
 
     Examples:
         >>> schedule = AdaptiveBatchSize(min_accumulation_steps=2, max_accumulation_steps=16, warmup_windows=1)
         >>> schedule.accumulation_steps(Progress())
         2
         >>> schedule.observe(items=64.0, micro_batches=2, world_size=1, noise=(1.0, 160.0))  # B_noise = 160 items
-        >>> schedule.accumulation_steps(Progress())  # 160 items / 32 items per micro-batch
-        5
+        >>> schedule.accumulation_steps(Progress())  # 160 items / 32 items per micro-batch is 5; at most 2 x 2
+        4
     """
 
     unit: ScheduleUnit = "step"
@@ -245,13 +253,14 @@ class AdaptiveBatchSize:
 
     def __init__(
         self,
-        min_accumulation_steps: int = 2,
+        min_accumulation_steps: int = 4,
         max_accumulation_steps: int = 64,
         *,
         factor: float = 1.0,
         warmup_windows: int = 50,
         hysteresis: float = 0.25,
         allow_decrease: bool = False,
+        max_growth: float | None = 2.0,
         lr_scaling: LRScaling | None = None,
         beta: float = 0.99,
     ) -> None:
@@ -261,11 +270,17 @@ class AdaptiveBatchSize:
         self.warmup_windows = check_int(warmup_windows, "warmup_windows", minimum=0)
         self.hysteresis = check_number(hysteresis, "hysteresis", minimum=0.0)
         self.allow_decrease = check_bool(allow_decrease, "allow_decrease")
+        if max_growth is not None:
+            max_growth = check_number(
+                max_growth, "max_growth", 1.0, min_inclusive=False, hint="Or None to let k jump to its target."
+            )
+        self.max_growth: float | None = max_growth
         if lr_scaling is not None:
             check_choice(lr_scaling, "lr_scaling", ("linear", "sqrt"), hint="Or None to leave the learning rate alone.")
         self.lr_scaling: LRScaling | None = lr_scaling
         self.estimator = NoiseScaleEstimator(beta)
         self._k = self.min_k
+        self._changed_at = 0  # the estimator's window count at the last change of k
         self._items_per_micro_batch: float | None = None  # per rank, smoothed
 
     def accumulation_steps(self, progress: Progress) -> int:
@@ -287,7 +302,7 @@ class AdaptiveBatchSize:
     def _decide(self, world_size: int) -> int:
         estimate = self.estimator.value()
         noise_scale = estimate.gradient_noise_scale
-        if estimate.windows < max(1, self.warmup_windows) or not self._items_per_micro_batch:
+        if estimate.windows - self._changed_at < max(1, self.warmup_windows) or not self._items_per_micro_batch:
             return self._k
         if not math.isfinite(noise_scale) or noise_scale <= 0:
             return self._k
@@ -295,7 +310,13 @@ class AdaptiveBatchSize:
         k = min(self.max_k, max(self.min_k, round(target)))
         if not self.allow_decrease:
             k = max(k, self._k)
-        return k if abs(k - self._k) > self.hysteresis * self._k else self._k
+        if self.max_growth is not None:
+            k = min(k, math.floor(self._k * self.max_growth))
+            k = max(k, math.ceil(self._k / self.max_growth))
+        if abs(k - self._k) <= self.hysteresis * self._k:
+            return self._k
+        self._changed_at = estimate.windows
+        return k
 
     def lr_factor(self, before: int, after: int) -> float:
         """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
@@ -307,19 +328,22 @@ class AdaptiveBatchSize:
     def state_dict(self) -> dict[str, Any]:
         return {
             "k": self._k,
+            "changed_at": self._changed_at,
             "items_per_micro_batch": self._items_per_micro_batch,
             "estimator": self.estimator.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._k = int(state.get("k", self.min_k))
+        self._changed_at = int(state.get("changed_at", 0))
         self._items_per_micro_batch = state.get("items_per_micro_batch")
         self.estimator.load_state_dict(state.get("estimator", {}))
 
     def __repr__(self) -> str:
         return (
             f"AdaptiveBatchSize({self.min_k}, {self.max_k}, factor={self.factor}, warmup_windows={self.warmup_windows},"
-            f" hysteresis={self.hysteresis}, allow_decrease={self.allow_decrease}, lr_scaling={self.lr_scaling!r},"
+            f" hysteresis={self.hysteresis}, allow_decrease={self.allow_decrease}, max_growth={self.max_growth},"
+            f" lr_scaling={self.lr_scaling!r},"
             f" beta={self.estimator.beta})"
         )
 

@@ -52,7 +52,7 @@ def test_k_rises_with_the_noise_scale_at_window_boundaries_and_every_window_is_e
 
 
 def test_k_never_decreases_unless_asked_and_respects_the_bounds():
-    schedule = adaptive(warmup_windows=1, beta=0.0)
+    schedule = adaptive(warmup_windows=1, beta=0.0, max_growth=None)
     progress = Progress()
     schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))  # B = 24: k = 24 / 4 = 6
     assert schedule.accumulation_steps(progress) == 6
@@ -60,10 +60,31 @@ def test_k_never_decreases_unless_asked_and_respects_the_bounds():
     assert schedule.accumulation_steps(progress) == 6
     schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 1000.0))  # B = 1000: clamped to 8
     assert schedule.accumulation_steps(progress) == 8
-    falling = adaptive(warmup_windows=1, beta=0.0, allow_decrease=True)
+    falling = adaptive(warmup_windows=1, beta=0.0, allow_decrease=True, max_growth=None)
     falling.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))
     falling.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 8.0))
     assert falling.accumulation_steps(progress) == 2
+
+
+def test_one_wild_window_moves_k_by_at_most_max_growth_and_the_next_change_waits():
+    # The char LM at k=2: one window's |G|² came out near 0, so its noise scale read 2.9e4 tokens, and k jumped from
+    # 2 to its maximum at once. With the defaults, k doubles at most, and only again `warmup_windows` windows later.
+    schedule = adaptive(warmup_windows=3, beta=0.0, max_accumulation_steps=64)
+    for _ in range(3):
+        schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 8.0))  # B = 8: k = 2 stays
+    assert schedule.accumulation_steps(Progress()) == 2
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(0.001, 29000.0))  # a wild window
+    assert schedule.accumulation_steps(Progress()) == 4  # not 64
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(0.001, 29000.0))
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(0.001, 29000.0))
+    assert schedule.accumulation_steps(Progress()) == 4  # 2 windows since the change: waits for 3
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(0.001, 29000.0))
+    assert schedule.accumulation_steps(Progress()) == 8
+    state = schedule.state_dict()
+    restored = adaptive(warmup_windows=3, beta=0.0, max_accumulation_steps=64)
+    restored.load_state_dict(state)
+    restored.observe(items=8.0, micro_batches=2, world_size=1, noise=(0.001, 29000.0))
+    assert restored.accumulation_steps(Progress()) == 8  # the wait survives a checkpoint
 
 
 def test_hysteresis_keeps_small_moves_from_changing_k():
@@ -128,6 +149,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
         ({"factor": 0}, ValueError, "`factor` must be"),
         ({"lr_scaling": "cubic"}, ValueError, "`lr_scaling` must be"),
         ({"beta": 1.0}, ValueError, r"`beta` must be a number in \[0, 1\)"),
+        ({"max_growth": 1.0}, ValueError, r"`max_growth` must be a finite number > 1.0, got 1.0. Or None"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

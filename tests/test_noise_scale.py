@@ -148,6 +148,41 @@ def test_the_logged_noise_scale_is_within_10_percent_of_the_truth(tmp_path, mode
     assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)
 
 
+class CountMeasuredWindows(pl.Callback):
+    """Counts the optimizer steps whose report carries a noise measurement."""
+
+    def __init__(self, owner: AccumulationScheduler) -> None:
+        self.owner, self.measured, self._last = owner, 0, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        report = self.owner.last_step_report  # a new one after each optimizer step
+        if report is not self._last:
+            self._last = report
+            self.measured += report is not None and report.noise is not None
+
+
+def test_measuring_every_fourth_window_costs_a_quarter_and_stays_within_10_percent(tmp_path):
+    dataset = TokenRegression(12288, uneven=True)
+    owner = AccumulationScheduler(4, count_items=count_loss_tokens)
+    monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_beta=0.998, noise_scale_interval=4)
+    counter = CountMeasuredWindows(owner)
+    trainer = make_trainer(tmp_path, [owner, monitor, counter])
+    trainer.fit(FixedRegression(), DataLoader(dataset, batch_size=4))
+
+    assert counter.measured == 768 // 4  # windows 1, 5, 9, ...: a quarter of the norms and host reads
+    # Each measurement weighs the windows since the one before: 1 for the first, 4 for the others (765); the last 3
+    # windows wait for the next measurement.
+    assert monitor.noise_scale.value().windows == 1 + 4 * (768 // 4 - 1)
+    grad_sq_norm, trace_cov = dataset.exact_noise_scale(torch.zeros(DIM))
+    metrics = trainer.callback_metrics
+    assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)
+
+
+def test_the_noise_scale_interval_is_checked():
+    with pytest.raises(ValueError, match=r"`noise_scale_interval` must be an int >= 1, got 0"):
+        AccumulationMonitor(gradient_noise_scale=True, noise_scale_interval=0)
+
+
 def test_the_noise_scale_needs_an_owner(tmp_path):
     trainer = make_trainer(tmp_path, [AccumulationMonitor(gradient_noise_scale=True)], accumulate_grad_batches=2)
     with pytest.raises(

@@ -18,6 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum._validation import check_int
 from lightning_accum.distributed import sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
 from lightning_accum.noise_scale import unbiased_estimates
@@ -55,6 +56,7 @@ class AccumulationOwner(Callback):
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
         self._noise_wanted = False
+        self._noise_every = 1  # measure every this many windows
         self._first_gradient: tuple[int, Tensor, float | Tensor, float, float] | None = None
         self._noise: tuple[float, float] | None = None
 
@@ -94,18 +96,25 @@ class AccumulationOwner(Callback):
     # ----------------------------------------------------------------------------------------------------------
     # the gradient noise scale: two batch sizes per window, at the cost of two norms (see `noise_scale`)
     # ----------------------------------------------------------------------------------------------------------
-    def measure_noise_scale(self) -> None:
-        """Estimate the gradient noise scale in every window and put it in the step reports.
+    def measure_noise_scale(self, every: int = 1) -> None:
+        """Estimate the gradient noise scale in every ``every``-th window and put it in the step reports.
 
-        Asked by ``AccumulationMonitor(gradient_noise_scale=True)`` and by schedules that adapt to it. It costs one
-        squared norm over the gradients after the first micro-batch's backward and one at the optimizer step, one
-        host read per step and, under DDP, one scalar all-reduce; no extra forward, backward or gradient all-reduce.
+        Asked by ``AccumulationMonitor(gradient_noise_scale=True)`` and by schedules that adapt to it; when several
+        ask, the most frequent wins. A measured window costs one squared norm over the gradients after the first
+        micro-batch's backward and one at the optimizer step, one host read and, under DDP, one scalar all-reduce; no
+        extra forward, backward or gradient all-reduce. The other windows cost nothing.
         """
+        every = check_int(every, "every", 1)
+        self._noise_every = every if not self._noise_wanted else min(self._noise_every, every)
         self._noise_wanted = True
+
+    def _noise_window(self) -> bool:
+        """Whether this window is measured: the first, then every ``every``-th (the same on every rank)."""
+        return self._noise_wanted and (self.normalizer.windows_started - 1) % self._noise_every == 0
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._noise_wanted or self.normalizer.micro_batches != 1:
+        if self.normalizer.micro_batches != 1 or not self._noise_window():
             return
         # The window's first micro-batch, before any other is added: its buffer holds `n_1 / (r k)` times the mean
         # gradient over its own items (and the loss scale, under 16-bit mixed precision).
@@ -128,7 +137,7 @@ class AccumulationOwner(Callback):
         # Rank-consistent conditions only: the collective below must run on every rank or on none. The number of
         # micro-batches is this rank's (a sampler may give ranks different step batches), so it only decides
         # whether this rank's pair is valid: a window of one micro-batch has one batch size.
-        if not self._noise_wanted or getattr(self, "sync_every_micro_batch", False):
+        if not self._noise_window() or getattr(self, "sync_every_micro_batch", False):
             return
         local = torch.zeros(3, dtype=torch.float64)
         capture, self._first_gradient = self._first_gradient, None
