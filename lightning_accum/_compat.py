@@ -162,6 +162,47 @@ def block_fsdp2_backward_sync(strategy: Any) -> Callable[[], None]:
     return lambda: strategy.__dict__.pop("block_backward_sync", None)
 
 
+# Under `set_requires_gradient_sync(False)`, FSDP2's post-backward keeps each gradient unsharded on the module's
+# private unsharded parameter (`FSDPParam._unsharded_param.grad`, or `unsharded_accumulated_grad` with a reduce dtype:
+# `FSDPParamGroup.post_backward` in `fsdp/_fully_shard/_fsdp_param_group.py`, torch 2.4 to 2.13), and the next synced
+# backward adds it in. The optimizer's `zero_grad` only reaches the sharded `DTensor` parameters. The root's
+# "final callback queued" flag (`FSDPState._state_ctx`, `_fsdp_state.py`) stays set when a backward raised before
+# the callback ran, and would keep every later backward from queueing it.
+def discard_fsdp2_unsharded_grads(module: Any) -> None:
+    """Drop the unsharded gradients FSDP2 accumulated without syncing, as an abandoned split-mode attempt must.
+
+    Does nothing when ``module`` holds no FSDP2 module.
+    """
+    for fsdp_module in fsdp2_modules(module):
+        state = fsdp_module._get_fsdp_state()
+        for fsdp_param in (p for group in _param_groups(state) for p in group.fsdp_params):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+        context = getattr(state, "_state_ctx", None)
+        if context is not None and hasattr(context, "post_backward_final_callback_queued"):
+            context.post_backward_final_callback_queued = False
+
+
+def fsdp2_unsynced_state(module: Any) -> list[str]:
+    """What FSDP2 holds back in ``module`` right now: modules with gradient sync off, unsharded gradients left over.
+
+    Empty when its state is clean (as between two optimizer steps); for tests and assertions.
+    """
+    found = []
+    for group in (g for m in fsdp2_modules(module) for g in _param_groups(m._get_fsdp_state())):
+        if not group.reduce_grads:
+            found.append("a module with gradient sync off")
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if fsdp_param.unsharded_accumulated_grad is not None or (
+                unsharded is not None and unsharded.grad is not None
+            ):
+                found.append(f"{fsdp_param._param_fqn}: unsharded gradient")
+    return found
+
+
 @contextlib.contextmanager
 def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
     old = getattr(obj, name)
@@ -403,3 +444,49 @@ def broadcast_ddp_buffers(strategy: Any) -> None:
     if model.will_sync_module_buffers():
         model._sync_buffers()
     model.require_forward_param_sync = False
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12: several per module
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded_for_step(module: Any) -> Iterator[None]:
+    """Gather every FSDP2 module's parameters once, on entry, and keep them unsharded until the block ends.
+
+    Inside the block the forwards and backwards all-gather nothing, so a rank that fails in one of them leaves no
+    other rank waiting in an all-gather: the only collective left is the reduce-scatter of a synced backward. Costs
+    the memory of the unsharded parameters for the block (FSDP2's ``reshard_after_forward=False``,
+    ``set_reshard_after_backward(False)``). On exit, also on error, the parameters are resharded (no collective) and
+    the modules' reshard settings restored. Does nothing when ``module`` holds no FSDP2 module.
+    """
+    modules = fsdp2_modules(module)
+    saved = []
+    for m in modules:
+        state = m._get_fsdp_state()
+        groups = _param_groups(state)
+        saved.append(
+            (
+                state,
+                getattr(state, "_auto_reshard_after_forward", None),
+                [(g.post_forward_mesh_info, g.reshard_after_backward) for g in groups],
+            )
+        )
+        m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+    try:
+        for m in modules:
+            m.unshard()  # all-gathers, on every rank alike, before anything in the block can fail
+        yield
+    finally:
+        for m, (state, auto, settings) in zip(modules, saved, strict=True):
+            m.reshard()
+            if auto is not None:
+                state._auto_reshard_after_forward = auto
+            for g, (mesh_info, after_backward) in zip(_param_groups(state), settings, strict=True):
+                g.post_forward_mesh_info = mesh_info
+                g.reshard_after_backward = after_backward

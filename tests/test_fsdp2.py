@@ -108,8 +108,11 @@ class _SaveRun(pl.Callback):
         )
 
 
-def _worker(rank: int, port: int, out_dir: str, k: int, sync_every_micro_batch: bool, max_epochs: int) -> None:
-    # What torchrun sets: Lightning's `LightningEnvironment` then launches nothing and reads the ranks from here.
+def start_worker(rank: int, port: int) -> tuple[_CollectiveCounter, ModelParallelStrategy]:
+    """Make this spawned process rank ``rank`` of a torchrun-style launch; its collective counter and strategy.
+
+    With what torchrun sets, Lightning's `LightningEnvironment` launches nothing and reads the ranks from here.
+    """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -122,11 +125,16 @@ def _worker(rank: int, port: int, out_dir: str, k: int, sync_every_micro_batch: 
     # `reduce_scatter_single` is what FSDP2's default reduce-scatter calls (`_fsdp_collectives.DefaultReduceScatter`),
     # `reduce_scatter_tensor` what older releases called; `all_reduce` carries the item counts.
     counter = _CollectiveCounter("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
-    model = ShardedTokenModel()
-    scheduler = AccumulationScheduler(k, count_items=h.count_tokens, sync_every_micro_batch=sync_every_micro_batch)
     strategy = ModelParallelStrategy(
         data_parallel_size=WORLD_SIZE, tensor_parallel_size=1, process_group_backend="gloo"
     )
+    return counter, strategy
+
+
+def _worker(rank: int, port: int, out_dir: str, k: int, sync_every_micro_batch: bool, max_epochs: int) -> None:
+    counter, strategy = start_worker(rank, port)
+    model = ShardedTokenModel()
+    scheduler = AccumulationScheduler(k, count_items=h.count_tokens, sync_every_micro_batch=sync_every_micro_batch)
     trainer = h.make_trainer(
         out_dir,
         [scheduler, _SaveRun(out_dir, counter)],

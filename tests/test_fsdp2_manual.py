@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -21,10 +20,10 @@ from tests.test_fsdp2 import (
     LR,
     WORLD_SIZE,
     ShardedTokenModel,
-    _CollectiveCounter,
     _free_port,
     _SaveRun,
     reduce_scatters,
+    start_worker,
 )
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
@@ -53,15 +52,7 @@ class ManualShardedModel(ShardedTokenModel):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank), LOCAL_RANK=str(rank)
-    )
-    os.environ["NODE_RANK"] = "0"
-    torch.set_num_threads(1)
-    counter = _CollectiveCounter("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
-    strategy = ModelParallelStrategy(
-        data_parallel_size=WORLD_SIZE, tensor_parallel_size=1, process_group_backend="gloo"
-    )
+    counter, strategy = start_worker(rank, port)
     trainer = h.make_trainer(out_dir, [_SaveRun(out_dir, counter)], strategy=strategy, devices=WORLD_SIZE)
     trainer.fit(ManualShardedModel(), DataLoader(h.TokenDataset(24), batch_size=2))
     if dist.is_initialized():

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -65,6 +65,12 @@ class AutoMicroBatching(AccumulationOwner):
       faster, and an OOM up to the last micro-batch's forward is still retried on every rank, but an OOM *inside
       that last backward* on one rank is not recoverable: that rank raises at once and the others stop when it
       exits, or at the process group's timeout.
+    * **FSDP2** (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``, data-parallel only). The
+      parameters are all-gathered once per step and stay unsharded through it, so no forward or backward waits in an
+      all-gather for a rank that failed. Every micro-batch but the last accumulates unsharded gradients without a
+      reduce-scatter; the ranks agree after the last forward, and the last backward reduce-scatters once per FSDP
+      unit, as ``"overlap"`` does under DDP: an OOM up to that point is retried on every rank, one inside the last
+      backward stops every rank with an error. ``gradient_sync`` defaults to this; ``"deferred"`` is refused.
     * **Empty micro-batches.** A micro-batch whose ``count_items`` is 0 contributes nothing: its backward is skipped,
       so a mean over no items (``0 / 0 = NaN``) reaches neither the gradient nor the window loss nor ``self.log``.
     * **Batch norm** normalizes each micro-batch over its own samples, so a model with batch-norm layers gets a
@@ -88,7 +94,7 @@ class AutoMicroBatching(AccumulationOwner):
         oom_cooldown: steps before a size that ran out of memory is tried again.
         predictive: predict sizes from the fitted memory model instead of halving and doubling.
         gradient_sync: ``"deferred"`` (OOM-safe under DDP) or ``"overlap"`` (faster, not OOM-safe in the last
-            backward).
+            backward). ``None`` (the default) means ``"deferred"``, and ``"overlap"`` under FSDP2.
         split_batch: cuts a step batch the built-in rules can't: ``split_batch(batch, micro_batch_size)`` returns a
             list of micro-batches of at most ``micro_batch_size`` samples that add up to the step batch (or an import
             path to such a function). Default: a ``split_batch`` method of the LightningModule, else the built-in
@@ -104,8 +110,10 @@ class AutoMicroBatching(AccumulationOwner):
         TypeError: an argument has the wrong type.
         ValueError: ``max_memory`` outside (0, 1] as a fraction or < 1 as bytes, ``micro_batch_size`` < 1, an
             unknown ``loss_reduction`` or ``gradient_sync``, ``Trainer(accumulate_grad_batches != 1)`` (also when
-            something sets ``trainer.accumulate_grad_batches`` during training), or a step batch with 0 samples.
-        RuntimeError: manual optimization, a strategy other than single-device or DDP (DeepSpeed, FSDP), another
+            something sets ``trainer.accumulate_grad_batches`` during training), a step batch with 0 samples, or
+            ``gradient_sync="deferred"`` under ``ModelParallelStrategy``.
+        RuntimeError: manual optimization, a strategy other than single-device, DDP or ``ModelParallelStrategy``
+            with FSDP2 and no tensor parallelism (DeepSpeed, FSDP1's ``FSDPStrategy``), another
             accumulation callback (or Lightning's ``GradientAccumulationScheduler``) in the same Trainer, an error on
             another rank, or, with ``gradient_sync="overlap"``, an error inside the synced backward.
 
@@ -127,7 +135,7 @@ class AutoMicroBatching(AccumulationOwner):
         grow_patience: int = 20,
         oom_cooldown: int = 200,
         predictive: bool = True,
-        gradient_sync: GradientSync = "deferred",
+        gradient_sync: GradientSync | None = None,
         split_batch: SplitBatchFn | str | None = None,
         batch_size_of: BatchSizeFn | str | None = None,
         fault_injector: OOMInjector | None = None,
@@ -143,9 +151,13 @@ class AutoMicroBatching(AccumulationOwner):
             )
         if not isinstance(pin_micro_batch_size, bool):
             raise TypeError(f"`pin_micro_batch_size` must be a bool, got {pin_micro_batch_size!r}.")
-        if gradient_sync not in ("deferred", "overlap"):
-            raise ValueError(f"`gradient_sync` must be 'deferred' or 'overlap', got {gradient_sync!r}.")
-        self.gradient_sync: GradientSync = gradient_sync
+        if gradient_sync not in (None, "deferred", "overlap"):
+            raise ValueError(
+                "`gradient_sync` must be None (the strategy's default), 'deferred' or 'overlap',"
+                f" got {gradient_sync!r}."
+            )
+        self._gradient_sync_given = gradient_sync
+        self.gradient_sync: GradientSync = gradient_sync or "deferred"  # resolved against the strategy at setup
         self.fault_injector = fault_injector
         if not isinstance(preflight, bool):
             raise TypeError(f"`preflight` must be a bool, got {preflight!r}.")
@@ -180,6 +192,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._totals: WindowTotals | None = None
         self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
         self._cold = False  # the first step of a run that has not chosen a size yet
+        self._fsdp2 = False  # `ModelParallelStrategy` with `fully_shard`: FSDP2 reduce-scatters the last backward
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -201,12 +214,21 @@ class AutoMicroBatching(AccumulationOwner):
                 " `accumulate_grad_batches` and make the dataloader yield the whole per-device step batch."
             )
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
+        if isinstance(strategy, FSDPStrategy):
             raise RuntimeError(
-                f"`AutoMicroBatching` supports single-device and DDP strategies, got {type(strategy).__name__}."
-                " Use `AccumulationScheduler` (window mode) with FSDP, or the strategy's own accumulation with"
-                " DeepSpeed."
+                "`AutoMicroBatching` does not support `FSDPStrategy` (FSDP1, CUDA-only in Lightning). Use"
+                " `ModelParallelStrategy` and call `torch.distributed.fsdp.fully_shard` in `configure_model` (FSDP2),"
+                " which split mode supports, or keep `FSDPStrategy` with `AccumulationScheduler` (window mode)."
             )
+        if isinstance(strategy, ModelParallelStrategy):
+            self._check_model_parallel(strategy)
+        elif not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
+            raise RuntimeError(
+                f"`AutoMicroBatching` supports single-device, DDP and `ModelParallelStrategy` (FSDP2) strategies, got"
+                f" {type(strategy).__name__}. Use the strategy's own accumulation with DeepSpeed."
+            )
+        else:
+            self.gradient_sync = self._gradient_sync_given or "deferred"
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise RuntimeError(
                 "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
@@ -219,6 +241,23 @@ class AutoMicroBatching(AccumulationOwner):
         self._hooks = resolve_batch_hooks(pl_module, **self._hook_arguments)
         self._claim(trainer)
 
+    def _check_model_parallel(self, strategy: ModelParallelStrategy) -> None:
+        if self._gradient_sync_given == "deferred":
+            raise ValueError(
+                "`gradient_sync='deferred'` is not available under `ModelParallelStrategy` (FSDP2): FSDP2"
+                " reduce-scatters inside the last micro-batch's backward, which runs only after every rank agreed that"
+                " all its forwards succeeded (an OOM before it is retried on every rank). Leave `gradient_sync` unset"
+                " (or pass 'overlap'); see docs/scaling-out.md, split mode."
+            )
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel > 1:
+            raise RuntimeError(
+                f"`AutoMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2), got"
+                f" `tensor_parallel_size={tensor_parallel}`. Set `tensor_parallel_size=1`, or use"
+                " `AccumulationScheduler` (window mode)."
+            )
+        self.gradient_sync = "overlap"
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
@@ -229,6 +268,13 @@ class AutoMicroBatching(AccumulationOwner):
         self._logs = StepLogCombiner(pl_module)
         self._capacity_bytes = capacity
         self._install(_compat.install_split_closure(trainer, self._run_step))
+        self._fsdp2 = isinstance(trainer.strategy, ModelParallelStrategy)
+        if self._fsdp2 and trainer.world_size > 1 and not _compat.fsdp2_modules(trainer.strategy.model):
+            raise RuntimeError(
+                "`AutoMicroBatching` under `ModelParallelStrategy` needs FSDP2: call"
+                " `torch.distributed.fsdp.fully_shard` on the model (or its layers) in `configure_model`, with the"
+                ' `self.device_mesh["data_parallel"]` mesh. Without it nothing synchronizes the gradients across ranks.'
+            )
         planner = self.planner
         self._cold = (
             self.preflight
@@ -354,11 +400,18 @@ class AutoMicroBatching(AccumulationOwner):
         trainer = self._trainer
         assert trainer is not None and self._logs is not None
         _compat.broadcast_ddp_buffers(trainer.strategy)
-        while True:
-            outcome, agreed, detail = self._agreed_attempt(trainer, context)
-            if agreed == _NO_FAULT:
-                break
-            self._recover_from_oom(trainer, context, detail)
+        # FSDP2 all-gathers in every forward and backward: a rank that failed in one would leave the others waiting
+        # there. Gathered once here, before anything can fail, the only collectives left are the agreement and the
+        # last backward's reduce-scatter.
+        unsharded = (
+            _compat.fsdp2_unsharded_for_step(trainer.strategy.model) if self._fsdp2 else contextlib.nullcontext()
+        )
+        with unsharded:
+            while True:
+                outcome, agreed, detail = self._agreed_attempt(trainer, context)
+                if agreed == _NO_FAULT:
+                    break
+                self._recover_from_oom(trainer, context, detail)
         loss, extra = outcome
         if self.gradient_sync == "deferred" and trainer.world_size > 1:
             params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
@@ -414,16 +467,22 @@ class AutoMicroBatching(AccumulationOwner):
         # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
         # blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the smaller size,
         # would make the planner shrink a second time).
-        context.zero_grad()
+        self._zero_grad(trainer, context)
         release_memory()
         self._backend.reset_peak()
+
+    def _zero_grad(self, trainer: pl.Trainer, context: _compat.SplitStepContext) -> None:
+        context.zero_grad()
+        if self._fsdp2:
+            # FSDP2 keeps the unsynced micro-batches' gradients unsharded, where `zero_grad` doesn't reach.
+            _compat.discard_fsdp2_unsharded_grads(trainer.strategy.model)
 
     def _attempt(
         self, trainer: pl.Trainer, context: _compat.SplitStepContext, size: int
     ) -> tuple[Tensor, dict[str, Any]]:
         assert self._logs is not None
         self._logs.clear()
-        context.zero_grad()
+        self._zero_grad(trainer, context)
         micro_batches = self._hooks.split(context.batch, size)
         counter = self.count_items
         counts = [micro.size if counter is None else count_items(micro.batch, counter) for micro in micro_batches]
@@ -438,7 +497,7 @@ class AutoMicroBatching(AccumulationOwner):
             weight = self.normalizer.add_micro_batch(n_items, n_samples)
             synced = synced_last and index == len(micro_batches) - 1
             # Every forward runs without DDP's sync, so an attempt abandoned before the synced backward leaves DDP's
-            # reducer as it found it; so does every backward but the synced one.
+            # reducer as it found it; so does every backward but the synced one (FSDP2: none of them reduce-scatters).
             with self._sync_blocked(trainer, blocked=True):
                 if self.fault_injector is not None:
                     self.fault_injector.check(
@@ -471,7 +530,15 @@ class AutoMicroBatching(AccumulationOwner):
     def _synced_backward(
         self, trainer: pl.Trainer, context: _compat.SplitStepContext, loss: Tensor, empty: bool
     ) -> None:
-        """Overlap mode under DDP: agree that every rank finished its forwards, then run the backward DDP syncs."""
+        """Overlap mode (and FSDP2): agree that every rank finished its forwards, then run the backward that syncs."""
+        if empty and self._fsdp2 and context.backward is not None:
+            # Before the agreement, which then stops every rank: a zero loss over the sharded parameters would skip
+            # FSDP2's hooks, and this rank would miss the reduce-scatter the others wait in.
+            raise RuntimeError(
+                f"The last micro-batch of step {trainer.global_step} holds no items on rank {trainer.global_rank},"
+                " which `AutoMicroBatching` cannot back-propagate under FSDP2 (its loss is a mean over nothing)."
+                " Make every step batch hold items in its last samples, or use a `count_items` that counts samples."
+            )
         agreed = self._agree_on_fault(trainer, _NO_FAULT)
         if agreed != _NO_FAULT:
             raise _PeerFault(agreed)
@@ -487,17 +554,24 @@ class AutoMicroBatching(AccumulationOwner):
         try:
             context.backward(loss)
         except Exception as err:
+            mode = "FSDP2" if self._fsdp2 else "`gradient_sync='overlap'`"
             if is_oom_error(err):
+                remedy = (
+                    "Leave more memory headroom (a lower `max_memory` or `micro_batch_size`): under FSDP2 the last"
+                    " backward always syncs."
+                    if self._fsdp2
+                    else "Use `gradient_sync='deferred'` (the default), which recovers from an OOM in any forward or"
+                    " backward, or leave more memory headroom (a lower `max_memory` or `micro_batch_size`)."
+                )
+                collective = "FSDP2's reduce-scatter" if self._fsdp2 else "DDP's all-reduce"
                 raise RuntimeError(
-                    f"Out of memory inside the synced backward of the last micro-batch (`gradient_sync='overlap'`,"
-                    f" micro-batch size {self._size}, step {trainer.global_step}: {describe_error(err)}). The other"
-                    " ranks are already exchanging gradients in DDP's all-reduce, so this step cannot be retried; they"
-                    " stop when this process exits, or at the process group's timeout. Use `gradient_sync='deferred'`"
-                    " (the default), which recovers from an OOM in any forward or backward, or leave more memory"
-                    " headroom (a lower `max_memory` or `micro_batch_size`)."
+                    f"Out of memory inside the synced backward of the last micro-batch ({mode}, micro-batch size"
+                    f" {self._size}, step {trainer.global_step}: {describe_error(err)}). The other ranks are already"
+                    f" exchanging gradients in {collective}, so this step cannot be retried; they stop when this"
+                    f" process exits, or at the process group's timeout. {remedy}"
                 ) from err
             raise RuntimeError(
-                f"{type(err).__name__} inside the synced backward of the last micro-batch (`gradient_sync='overlap'`):"
+                f"{type(err).__name__} inside the synced backward of the last micro-batch ({mode}):"
                 f" {describe_error(err)}. If another rank failed inside its synced backward (an out-of-memory error),"
                 " this is how the failure reaches this rank: see that rank's traceback."
             ) from err
@@ -519,10 +593,13 @@ class AutoMicroBatching(AccumulationOwner):
     @contextlib.contextmanager
     def _sync_blocked(self, trainer: pl.Trainer, blocked: bool) -> Iterator[None]:
         strategy = trainer.strategy
-        if blocked and trainer.world_size > 1 and hasattr(strategy, "block_backward_sync"):
-            with strategy.block_backward_sync():
-                yield
-        else:
+        with contextlib.ExitStack() as stack:
+            if blocked and trainer.world_size > 1:
+                if hasattr(strategy, "block_backward_sync"):
+                    stack.enter_context(strategy.block_backward_sync())
+                if self._fsdp2:
+                    # Lightning's `block_backward_sync` only blocks models with a `no_sync`, which FSDP2 modules lack.
+                    stack.enter_context(_compat.no_fsdp2_gradient_sync(strategy.model))
             yield
 
     @override

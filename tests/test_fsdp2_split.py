@@ -1,0 +1,195 @@
+"""Split mode under real FSDP2 on CPU: ``ModelParallelStrategy`` with ``fully_shard``, 2 processes, gloo.
+
+Every micro-batch but the last accumulates unsharded gradients without a reduce-scatter; the ranks agree after the
+last forward and the last backward reduce-scatters once per FSDP unit. The runs reuse `tests.test_fsdp2`'s harness
+(the model, the collective counter, the torchrun-style launch).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader
+
+import tests.helpers as h
+from lightning_accum import AutoMicroBatching, _compat
+from lightning_accum.memory.oom import OOMFault
+from tests.test_ddp_split import faulted_callback
+from tests.test_fsdp2 import (
+    FSDP_UNITS,
+    LR,
+    WORLD_SIZE,
+    ShardedTokenModel,
+    _free_port,
+    _SaveRun,
+    reduce_scatters,
+    start_worker,
+)
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
+
+STEP_BATCH = 16  # per rank
+MICRO = 4  # micro-batches 0 to 3; the last one's backward reduce-scatters
+
+
+class SplitShardedModel(ShardedTokenModel):
+    """Also records, at each optimizer step, the micro-batch size and anything FSDP2 still holds back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.split_mode = True
+        self.sizes: list[int] = []
+        self.unsynced: list[list[str]] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # Sync back on, and no unsharded gradient left over from an unsynced (or abandoned) micro-batch.
+        self.unsynced.append(_compat.fsdp2_unsynced_state(self))
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        callback = next(cb for cb in self.trainer.callbacks if isinstance(cb, AutoMicroBatching))
+        self.sizes.append(callback.last_step_report.micro_batch_size)
+
+
+class _SaveSplitRun(_SaveRun):
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
+        path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt")
+        figures = torch.load(path, weights_only=False)
+        figures.update(
+            sizes=pl_module.sizes,
+            unsynced=pl_module.unsynced,
+            oom_retries=callback.oom_retries,
+            events=[(e.kind, e.step, e.before, e.after) for e in callback.events],
+            fired=callback.fault_injector.fired if callback.fault_injector else [],
+            gradient_sync=callback.gradient_sync,
+        )
+        torch.save(figures, path)
+
+
+def _worker(rank: int, port: int, out_dir: str, steps: int, faults: list[OOMFault]) -> None:
+    counter, strategy = start_worker(rank, port)
+    callback = faulted_callback(MICRO, faults)
+    trainer = h.make_trainer(
+        out_dir, [callback, _SaveSplitRun(out_dir, counter)], strategy=strategy, devices=WORLD_SIZE
+    )
+    dataset = h.TokenDataset(WORLD_SIZE * STEP_BATCH * steps, seed=1)
+    try:
+        trainer.fit(SplitShardedModel(), DataLoader(dataset, batch_size=STEP_BATCH))
+    except BaseException as err:
+        # The launcher reports only the first process that failed: each one says how it ended.
+        # Written whole or not at all: the launcher may stop this process at any moment once the other one failed.
+        path = os.path.join(out_dir, f"error{rank}.txt")
+        with open(path + ".part", "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        os.replace(path + ".part", path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_split(out_dir: Any, steps: int, faults: list[OOMFault]) -> list[dict[str, Any]]:
+    mp.start_processes(
+        _worker, args=(_free_port(), str(out_dir), steps, faults), nprocs=WORLD_SIZE, start_method="spawn"
+    )
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+
+
+def check_exact(ranks: list[dict[str, Any]], steps: int) -> None:
+    assert all(r["sharded"] for r in ranks), "the parameters must be FSDP2 DTensors for this test to bite"
+    assert [r["optimizer_steps"] for r in ranks] == [steps] * WORLD_SIZE
+    assert [r["gradient_sync"] for r in ranks] == ["overlap"] * WORLD_SIZE
+    dataset = h.TokenDataset(WORLD_SIZE * STEP_BATCH * steps, seed=1)
+    tokens = [[sum(int(dataset.mask[i].sum()) for i in step) for step in r["step_indices"]] for r in ranks]
+    assert all(a != b for a, b in zip(*tokens, strict=True)), "the ranks must hold different token counts"
+    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
+    assert all(len(w) == WORLD_SIZE * STEP_BATCH for w in windows)
+    h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+    expected = h.replay_reference(SplitShardedModel(), dataset, windows, h.token_loss, lr=LR)
+    h.assert_grads_close(ranks[0]["step_grads"], expected, **h.FP32)
+    # One reduce-scatter per FSDP unit per optimizer step: no unsynced or abandoned micro-batch reduce-scatters.
+    assert [reduce_scatters(r) for r in ranks] == [FSDP_UNITS * steps] * WORLD_SIZE
+    assert [r["unsynced"] for r in ranks] == [[[]] * steps] * WORLD_SIZE
+
+
+def test_split_mode_under_fsdp2_is_exact_with_one_reduce_scatter_per_step(tmp_path):
+    steps = 3
+    ranks = run_split(tmp_path, steps, faults=[])
+    check_exact(ranks, steps)
+    assert [r["sizes"] for r in ranks] == [[MICRO] * steps] * WORLD_SIZE
+    assert [r["oom_retries"] for r in ranks] == [0, 0]
+
+
+def test_oom_on_one_rank_in_a_forward_or_an_unsynced_backward_is_retried_on_both(tmp_path):
+    # Step 0: OOM on rank 1 in micro-batch 1's forward. Step 2: in micro-batch 2's backward, after micro-batches 0
+    # and 1 accumulated unsharded gradients that the retry must not count twice.
+    steps = 4
+    faults = [
+        OOMFault(step=0, micro_batch=1, phase="forward", rank=1, when_size_above=MICRO // 2),
+        OOMFault(step=2, micro_batch=2, phase="backward", rank=1, when_size_above=MICRO // 2),
+    ]
+    ranks = run_split(tmp_path, steps, faults)
+    assert ranks[0]["fired"] == []
+    assert ranks[1]["fired"] == [(1, 0, 1, "forward"), (1, 2, 2, "backward")]
+    assert [r["oom_retries"] for r in ranks] == [2, 2]
+    oom_events = [("oom_recovered", step, MICRO, MICRO // 2) for step in (0, 2)]
+    assert [e for e in ranks[0]["events"] if e[0] == "oom_recovered"] == oom_events
+    assert ranks[0]["events"] == ranks[1]["events"]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"]
+    assert ranks[0]["sizes"][::2] == [MICRO // 2] * 2  # each faulted step re-ran in halves
+    check_exact(ranks, steps)
+
+
+def test_oom_inside_the_reduce_scattering_backward_is_a_clear_error_not_a_hang(tmp_path):
+    faults = [OOMFault(step=1, micro_batch=MICRO - 1, phase="backward", rank=0)]
+    start = time.monotonic()
+    # The launcher re-raises the first failure it sees: rank 0's error, or rank 1's lost connection to it.
+    with pytest.raises(Exception, match=r"inside the synced backward|Connection closed by peer"):
+        run_split(tmp_path, steps=3, faults=faults)
+    assert time.monotonic() - start < 60
+    with open(os.path.join(tmp_path, "error0.txt")) as f:
+        error = f.read()
+    assert error.startswith("RuntimeError: Out of memory inside the synced backward of the last micro-batch (FSDP2,")
+    assert "FSDP2's reduce-scatter" in error
+    # Rank 1 learnt of it from its reduce-scatter (inside its backward, or where FSDP2 waits on it later, in the next
+    # collective), or the launcher stopped it first.
+    path = os.path.join(tmp_path, "error1.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            error = f.read()
+        assert "synced backward" in error or "Connection closed by peer" in error, error
+
+
+def test_deferred_sync_is_refused_under_fsdp2(tmp_path):
+    callback = AutoMicroBatching(MICRO, gradient_sync="deferred")
+    strategy = ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match=r"`gradient_sync='deferred'` is not available under `ModelParallelStrategy`"):
+        callback.setup(_WithStrategy(h.make_trainer(tmp_path), strategy), SplitShardedModel(), "fit")
+
+
+def test_fsdp1_is_refused_with_a_pointer_to_fsdp2(tmp_path):
+    # `FSDPStrategy` needs CUDA to be part of a Trainer; `setup` only looks at the strategy's type.
+    fsdp1 = FSDPStrategy.__new__(FSDPStrategy)
+    with pytest.raises(RuntimeError, match=r"`FSDPStrategy` \(FSDP1.*ModelParallelStrategy.*fully_shard"):
+        AutoMicroBatching(MICRO).setup(_WithStrategy(h.make_trainer(tmp_path), fsdp1), SplitShardedModel(), "fit")
+
+
+class _WithStrategy:
+    """A Trainer as ``setup`` sees it, with another strategy."""
+
+    def __init__(self, trainer: pl.Trainer, strategy: Any) -> None:
+        self._trainer = trainer
+        self.strategy = strategy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
