@@ -223,8 +223,11 @@ class OverlapModel(RaiseOnce):
         try:
             super().optimizer_step(*args, **kwargs)
         except BaseException as err:
-            with open(os.path.join(self.out_dir, f"error{self.global_rank}.txt"), "w") as f:
+            # Written whole or not at all: the launcher may stop this rank (SIGTERM) at any moment once another failed.
+            path = os.path.join(self.out_dir, f"error{self.global_rank}.txt")
+            with open(path + ".part", "w") as f:
                 f.write(f"{type(err).__name__}: {err}")
+            os.replace(path + ".part", path)
             raise
 
     def training_step(self, batch, batch_idx):
