@@ -349,34 +349,17 @@ class AutoMicroBatching(AccumulationOwner):
     def _start_from_preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Trace the first step on fake tensors and start at the largest size predicted to fit, on every rank alike.
 
-        Every rank calls one small all-reduce here, whatever its trace found: the smallest prediction wins, and a
-        failed trace on any rank means every rank starts from the whole step batch, as without a pre-flight.
+        Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
+        prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as
+        without a pre-flight.
         """
-        assert self._backend is not None
-        budget = self.planner.budget_bytes
-        step_batch_size = self._hooks.batch_size(batch)
-        small, large = max(1, step_batch_size // 4), max(1, step_batch_size // 2)
-        start, why = None, f"a step batch of {step_batch_size} is too small to trace at two sizes"
-        if small < large and budget is not None:
-            found = preflight(
-                pl_module,
-                batch,
-                (small, large),
-                optimizers=trainer.optimizers,
-                precision=trainer.precision,
-                hooks=self._hooks,
-            )
-            self.preflight_result = found
-            start = found.starting_micro_batch_size(
-                budget, step_batch_size, self._backend.current_bytes(), free_bytes(self._backend)
-            )
-            why = found.reason or "not even a micro-batch of 1 is predicted to fit"
-            if found.peak_model is not None and start is None:
-                start = self.planner.min_micro_batch_size  # predicted not to fit at all: begin where an OOM ends
+        try:
+            start, why = self._predicted_start(trainer, pl_module, batch)
+        except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
+            start, why = None, f"{type(err).__name__}: {describe_error(err)}"
         # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
         local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
         failed, negative_start = (int(v) for v in max_across_ranks(trainer, local).tolist())
-        seconds = 0.0 if self.preflight_result is None else self.preflight_result.seconds
         if failed:
             log_info(
                 f"lightning_accum: pre-flight fell back to probing from the whole step batch ({why}, on this or"
@@ -384,11 +367,42 @@ class AutoMicroBatching(AccumulationOwner):
             )
             return
         self.planner.start_from(-negative_start)
+        found = self.preflight_result
+        assert found is not None
+        small, large = sorted(found.peaks)
+        step_batch_size = self._hooks.batch_size(batch)
         log_info(
             f"lightning_accum: pre-flight traced micro-batches of {small} and {large} on fake tensors in"
-            f" {seconds:.2f} s; starting at micro-batch size {self.planner.size_for(step_batch_size)}"
+            f" {found.seconds:.2f} s; starting at micro-batch size {self.planner.size_for(step_batch_size)}"
             f" of {step_batch_size}"
         )
+
+    def _predicted_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
+    ) -> tuple[int | None, str]:
+        """This rank's predicted starting size (``None``: no prediction), and why there is none."""
+        assert self._backend is not None
+        budget = self.planner.budget_bytes
+        step_batch_size = self._hooks.batch_size(batch)
+        small, large = max(1, step_batch_size // 4), max(1, step_batch_size // 2)
+        if small == large or budget is None:
+            return None, f"a step batch of {step_batch_size} is too small to trace at two sizes"
+        found = preflight(
+            pl_module,
+            batch,
+            (small, large),
+            optimizers=trainer.optimizers,
+            precision=trainer.precision,
+            hooks=self._hooks,
+        )
+        self.preflight_result = found
+        if found.peak_model is None:
+            return None, str(found.reason)
+        start = found.starting_micro_batch_size(
+            budget, step_batch_size, self._backend.current_bytes(), free_bytes(self._backend)
+        )
+        # Predicted not to fit at all: begin where an OOM would end up.
+        return (self.planner.min_micro_batch_size if start is None else start), ""
 
     def _run_step(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step: every micro-batch's forward and backward, retried after an OOM.

@@ -259,6 +259,24 @@ def test_the_cold_start_falls_back_to_the_whole_step_batch_where_tracing_fails(t
     assert "DataDependentOutputException" in line
 
 
+def test_an_error_while_predicting_falls_back_instead_of_leaving_other_ranks_in_the_agreement(tmp_path, caplog):
+    calls = []
+
+    def batch_size_of(batch):  # fails once, inside the pre-flight: every rank must still reach its all-reduce
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("x")
+        return len(batch["x"])
+
+    callback = AutoMicroBatching(count_items=count_tokens, batch_size_of=batch_size_of)
+    model = SplitTokenModel()
+    with caplog.at_level(logging.INFO, logger="lightning_accum"):
+        make_trainer(tmp_path, [callback], max_steps=1).fit(model, DataLoader(TokenDataset(16), batch_size=16))
+    line = next(r.getMessage() for r in caplog.records if "pre-flight" in r.getMessage())
+    assert line.startswith("lightning_accum: pre-flight fell back to probing from the whole step batch (KeyError")
+    assert model.micro_batch_sizes[0] == 16
+
+
 @pytest.mark.parametrize(
     ("kwargs", "why"),
     [
