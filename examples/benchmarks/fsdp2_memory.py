@@ -10,7 +10,10 @@ accumulation). Each accumulating configuration runs twice:
 * ``deferred``: what ``AccumulationScheduler(k)`` does by default under ``ModelParallelStrategy``: every micro-batch
   but the last runs inside ``lightning_accum._compat.no_fsdp2_gradient_sync`` (FSDP2's
   ``set_requires_gradient_sync(False)``), so each FSDP unit reduce-scatters once per optimizer step;
-* ``every``: ``AccumulationScheduler(k, sync_every_micro_batch=True)``: a reduce-scatter after every micro-batch.
+* ``every``: ``AccumulationScheduler(k, sync_every_micro_batch=True)``: a reduce-scatter after every micro-batch;
+* ``split``: what ``AutoMicroBatching`` does under FSDP2: the parameters are all-gathered once for the step
+  (``lightning_accum._compat.fsdp2_unsharded_for_step``) and the sync is deferred to the last micro-batch, so that no
+  forward or backward holds a collective an OOM on another rank could leave waiting.
 
 The loop is the probe's (``lightning_accum.probe.measure.train_step``: loss / k, phases labelled, one warm-up step,
 gradients set to None after the step), and the peak is the probe's live-tensor tracker
@@ -54,7 +57,7 @@ BATCH = 8  # sequences per rank per optimizer step
 ACCUMULATION_STEPS = (4, 8)
 CONFIGS = [(8, 1), (2, 4), (2, 1), (1, 8), (1, 1)]  # the probe's grid for B=8, k in (4, 8)
 SEQ, DIM, HIDDEN, BLOCKS = 32, 512, 2048, 4
-SYNC_MODES = ("deferred", "every")
+SYNC_MODES = ("deferred", "every", "split")
 _MiB = 2**20
 
 
@@ -156,13 +159,23 @@ def _train_step(
 
     Returns the gradient bytes held after the first micro-batch, i.e. through the rest of the window.
     """
+    gathered = _compat.fsdp2_unsharded_for_step(model) if sync == "split" else contextlib.nullcontext()
+    with gathered:  # split mode: the closure's span; the optimizer step runs after it, on the shards
+        held = _micro_batches(model, batches, sync, tracker)
+    with tracker.phase("optimizer"):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return held
+
+
+def _micro_batches(model: nn.Module, batches: list[Any], sync: str, tracker: FSDP2MemoryTracker) -> int:
     k = len(batches)
     held = 0
     for i in range(k):
         batch = batches[i]
         batches[i] = None
         tracker.track(batch, "activations")
-        deferred = sync == "deferred" and i < k - 1  # what `block_fsdp2_backward_sync` does in window mode
+        deferred = sync in ("deferred", "split") and i < k - 1  # what `block_fsdp2_backward_sync` does in window mode
         with _compat.no_fsdp2_gradient_sync(model) if deferred else contextlib.nullcontext():
             with tracker.phase(f"forward {i + 1}/{k}"):
                 loss = model(batch)
@@ -172,9 +185,6 @@ def _train_step(
         if i == 0:
             held = tracker.current.by_category["gradients"]
         del loss, batch
-    with tracker.phase("optimizer"):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return held
 
 
