@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum._validation import check_bool
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
@@ -149,8 +150,7 @@ class AutoMicroBatching(AccumulationOwner):
                 '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
                 " `micro_batch_size=8`, or leave the size unpinned."
             )
-        if not isinstance(pin_micro_batch_size, bool):
-            raise TypeError(f"`pin_micro_batch_size` must be a bool, got {pin_micro_batch_size!r}.")
+        check_bool(pin_micro_batch_size, "pin_micro_batch_size")
         if gradient_sync not in (None, "deferred", "overlap"):
             raise ValueError(
                 "`gradient_sync` must be None (the strategy's default), 'deferred' or 'overlap',"
@@ -159,9 +159,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._gradient_sync_given = gradient_sync
         self.gradient_sync: GradientSync = gradient_sync or "deferred"  # resolved against the strategy at setup
         self.fault_injector = fault_injector
-        if not isinstance(preflight, bool):
-            raise TypeError(f"`preflight` must be a bool, got {preflight!r}.")
-        self.preflight = preflight
+        self.preflight = check_bool(preflight, "preflight")
         self.preflight_result: Preflight | None = None  # what the cold start's trace found (this rank's)
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
         self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
