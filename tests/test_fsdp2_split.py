@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import tests.helpers as h
 from lightning_accum import AutoMicroBatching, _compat
@@ -76,15 +76,38 @@ class _SaveSplitRun(_SaveRun):
         torch.save(figures, path)
 
 
-def _worker(rank: int, port: int, out_dir: str, steps: int, faults: list[OOMFault]) -> None:
+def split_dataset(steps: int, empty_last_on_rank0_at: int | None = None) -> h.TokenDataset:
+    """The training set; optionally, rank 0's last micro-batch of one step holds no loss-bearing token.
+
+    The worker then shards it with a sequential `DistributedSampler` (Lightning's own would shuffle), which gives rank
+    r the samples r, r + 2, ...: rank 0's step batch s is samples 2 (16 s + j), j < 16, its last micro-batch j >= 12.
+    """
+    n = WORLD_SIZE * STEP_BATCH * steps
+    if empty_last_on_rank0_at is None:
+        return h.TokenDataset(n, seed=1)
+    lengths = [1 + i % 8 for i in range(n)]
+    for j in range(STEP_BATCH - MICRO, STEP_BATCH):
+        lengths[WORLD_SIZE * (STEP_BATCH * empty_last_on_rank0_at + j)] = 0
+    return h.TokenDataset(n, seed=1, lengths=lengths)
+
+
+def _worker(
+    rank: int, port: int, out_dir: str, steps: int, faults: list[OOMFault], empty_at: int | None = None
+) -> None:
     counter, strategy = start_worker(rank, port)
     callback = faulted_callback(MICRO, faults)
+    sequential = empty_at is not None  # where each sample lands must be known
     trainer = h.make_trainer(
-        out_dir, [callback, _SaveSplitRun(out_dir, counter)], strategy=strategy, devices=WORLD_SIZE
+        out_dir,
+        [callback, _SaveSplitRun(out_dir, counter)],
+        strategy=strategy,
+        devices=WORLD_SIZE,
+        use_distributed_sampler=not sequential,
     )
-    dataset = h.TokenDataset(WORLD_SIZE * STEP_BATCH * steps, seed=1)
+    dataset = split_dataset(steps, empty_at)
+    sampler = DistributedSampler(dataset, WORLD_SIZE, rank, shuffle=False) if sequential else None
     try:
-        trainer.fit(SplitShardedModel(), DataLoader(dataset, batch_size=STEP_BATCH))
+        trainer.fit(SplitShardedModel(), DataLoader(dataset, batch_size=STEP_BATCH, sampler=sampler))
     except BaseException as err:
         # The launcher reports only the first process that failed: each one says how it ended.
         # Written whole or not at all: the launcher may stop this process at any moment once the other one failed.
@@ -98,10 +121,9 @@ def _worker(rank: int, port: int, out_dir: str, steps: int, faults: list[OOMFaul
             dist.destroy_process_group()
 
 
-def run_split(out_dir: Any, steps: int, faults: list[OOMFault]) -> list[dict[str, Any]]:
-    mp.start_processes(
-        _worker, args=(_free_port(), str(out_dir), steps, faults), nprocs=WORLD_SIZE, start_method="spawn"
-    )
+def run_split(out_dir: Any, steps: int, faults: list[OOMFault], empty_at: int | None = None) -> list[dict[str, Any]]:
+    args = (_free_port(), str(out_dir), steps, faults, empty_at)
+    mp.start_processes(_worker, args=args, nprocs=WORLD_SIZE, start_method="spawn")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
@@ -168,6 +190,24 @@ def test_oom_inside_the_reduce_scattering_backward_is_a_clear_error_not_a_hang(t
         with open(path) as f:
             error = f.read()
         assert "synced backward" in error or "Connection closed by peer" in error, error
+
+
+def test_an_empty_last_micro_batch_on_one_rank_stops_every_rank_with_a_clear_error(tmp_path):
+    # Not supported under FSDP2 (a zero loss would skip FSDP2's hooks, and that rank would miss the reduce-scatter the
+    # other waits in): rank 0 says so before the agreement, and the agreement stops rank 1 too. No hang.
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"holds no items|Another rank failed"):
+        run_split(tmp_path, steps=3, faults=[], empty_at=1)
+    assert time.monotonic() - start < 60
+    errors = {}
+    for rank in range(WORLD_SIZE):
+        path = os.path.join(tmp_path, f"error{rank}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors[rank] = f.read()
+    assert errors[0].startswith("RuntimeError: The last micro-batch of step 1 holds no items on rank 0"), errors
+    if 1 in errors:  # unless the launcher stopped it first
+        assert errors[1].startswith("RuntimeError: Another rank failed with an error that is not an out-of-memory")
 
 
 def test_deferred_sync_is_refused_under_fsdp2(tmp_path):
