@@ -283,14 +283,7 @@ class CPUBackend:
         self._sampled_peak = 0
 
     def _status_kib(self, field: str) -> int | None:
-        try:
-            with open(os.path.join(self._proc_dir, "status")) as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        return int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        return None
+        return _proc_kib(os.path.join(self._proc_dir, "status"), field)
 
     def current_bytes(self) -> int:
         kib = self._status_kib("VmRSS")
@@ -336,7 +329,7 @@ class CPUBackend:
         vm_size = self._status_kib("VmSize")
         if soft != resource.RLIM_INFINITY and soft > 0 and vm_size is not None:
             candidates.append(max(0, int(soft) - vm_size * _KIB))
-        available = _meminfo_kib("MemAvailable")
+        available = _proc_kib("/proc/meminfo", "MemAvailable")
         if available is not None:
             candidates.append(available * _KIB)
         return min(candidates) if candidates else None
@@ -430,9 +423,10 @@ def _as_device(device: torch.device | str | int, default_type: str) -> torch.dev
     )
 
 
-def _meminfo_kib(field: str) -> int | None:
+def _proc_kib(path: str, field: str) -> int | None:
+    """``field`` of a ``/proc`` file of ``Name:  value kB`` lines (``status``, ``meminfo``), in KiB, or ``None``."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
