@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import Tensor
 from torch.optim import Optimizer
@@ -131,7 +132,8 @@ class ManualAccumulation:
                 # `block_backward_sync` does not cover.
                 if hasattr(trainer.strategy, "block_backward_sync"):
                     no_sync.enter_context(trainer.strategy.block_backward_sync())
-                no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
+                if isinstance(trainer.strategy, ModelParallelStrategy):  # spares other strategies a module walk
+                    no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
             module.manual_backward(loss * weight, *args, **kwargs)
         if not window_complete:
             self._position += 1
