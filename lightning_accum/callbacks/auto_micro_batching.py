@@ -114,9 +114,11 @@ class AutoMicroBatching(AccumulationOwner):
             something sets ``trainer.accumulate_grad_batches`` during training), a step batch with 0 samples, or
             ``gradient_sync="deferred"`` under ``ModelParallelStrategy``.
         RuntimeError: manual optimization, a strategy other than single-device, DDP or ``ModelParallelStrategy``
-            with FSDP2 and no tensor parallelism (DeepSpeed, FSDP1's ``FSDPStrategy``), another
-            accumulation callback (or Lightning's ``GradientAccumulationScheduler``) in the same Trainer, an error on
-            another rank, or, with ``gradient_sync="overlap"``, an error inside the synced backward.
+            with FSDP2 and no tensor parallelism (DeepSpeed, FSDP1's ``FSDPStrategy``), ``ModelParallelStrategy``
+            without ``fully_shard``, another accumulation callback (or Lightning's
+            ``GradientAccumulationScheduler``) in the same Trainer, an error on another rank, a failed agreement
+            between ranks (a peer is gone), an error inside the synced backward (``gradient_sync="overlap"`` and
+            FSDP2), or, under FSDP2, a last micro-batch without items on some rank.
 
     Examples:
         >>> from lightning.pytorch import Trainer
