@@ -167,7 +167,10 @@ class MicroBatchPlanner:
         self.predictive = check_bool(predictive, "predictive")
         self.pin_micro_batch_size = check_bool(pin_micro_batch_size, "pin_micro_batch_size")
         if pin_micro_batch_size and micro_batch_size == "auto":
-            raise ValueError('`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto".')
+            raise ValueError(
+                '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
+                " `micro_batch_size=8`, or leave the size unpinned."
+            )
         self.refit_tolerance = check_number(refit_tolerance, "refit_tolerance", 0, min_inclusive=False)
 
         self.model = LinearPeakModel()

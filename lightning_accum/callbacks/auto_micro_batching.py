@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum._validation import check_bool
+from lightning_accum._validation import check_bool, check_choice
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
@@ -37,6 +37,10 @@ from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, res
 from lightning_accum.step_logs import StepLogCombiner
 
 GradientSync = Literal["deferred", "overlap"]
+_GRADIENT_SYNCS = {
+    "deferred": "one all-reduce after every rank's last backward",
+    "overlap": "DDP's, in the last backward",
+}
 _NO_FAULT, _OOM, _OTHER_ERROR = 0, 1, 2
 
 
@@ -147,17 +151,8 @@ class AutoMicroBatching(AccumulationOwner):
         super().__init__(count_items, loss_reduction)
         self._max_memory_given = max_memory  # as the user wrote it, for the run config
         self.max_memory = check_max_memory(max_memory)
-        if pin_micro_batch_size and micro_batch_size == "auto":
-            raise ValueError(
-                '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
-                " `micro_batch_size=8`, or leave the size unpinned."
-            )
-        check_bool(pin_micro_batch_size, "pin_micro_batch_size")
-        if gradient_sync not in (None, "deferred", "overlap"):
-            raise ValueError(
-                "`gradient_sync` must be None (the strategy's default), 'deferred' or 'overlap',"
-                f" got {gradient_sync!r}."
-            )
+        if gradient_sync is not None:
+            check_choice(gradient_sync, "gradient_sync", _GRADIENT_SYNCS, hint="None picks the strategy's default.")
         self._gradient_sync_given = gradient_sync
         self.gradient_sync: GradientSync = gradient_sync or "deferred"  # resolved against the strategy at setup
         self.fault_injector = fault_injector

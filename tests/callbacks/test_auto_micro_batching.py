@@ -151,7 +151,12 @@ def test_manual_optimization_is_refused(tmp_path):
         ({"max_memory": -5}, ValueError, r"in bytes must be >= 1, got -5"),
         ({"max_memory": "8 bananas"}, ValueError, r"such as .8GiB. or .500MB., got .8 bananas."),
         ({"micro_batch_size": 0}, ValueError, r"micro_batch_size"),
-        ({"gradient_sync": "eager"}, ValueError, r"'deferred' or 'overlap', got 'eager'"),
+        (
+            {"gradient_sync": "eager"},
+            ValueError,
+            r"`gradient_sync` must be 'deferred' \(.*\) or 'overlap' \(.*\), got 'eager'",
+        ),
+        ({"pin_micro_batch_size": True}, ValueError, r"needs an int `micro_batch_size` to pin.*Pass e\.g\."),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
