@@ -14,24 +14,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
+import tests.test_fsdp2 as fsdp2
 from lightning_accum import ManualAccumulation
-from tests.test_fsdp2 import (
-    FSDP_UNITS,
-    LR,
-    WORLD_SIZE,
-    ShardedTokenModel,
-    _free_port,
-    _SaveRun,
-    reduce_scatters,
-    start_worker,
-)
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
 
 K = 3
 
 
-class ManualShardedModel(ShardedTokenModel):
+class ManualShardedModel(fsdp2.ShardedTokenModel):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -52,8 +43,8 @@ class ManualShardedModel(ShardedTokenModel):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    counter, strategy = start_worker(rank, port)
-    trainer = h.make_trainer(out_dir, [_SaveRun(out_dir, counter)], strategy=strategy, devices=WORLD_SIZE)
+    counter, strategy = fsdp2.start_worker(rank, port)
+    trainer = h.make_trainer(out_dir, [fsdp2._SaveRun(out_dir, counter)], strategy=strategy, devices=fsdp2.WORLD_SIZE)
     trainer.fit(ManualShardedModel(), DataLoader(h.TokenDataset(24), batch_size=2))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -61,13 +52,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_manual_accumulation_under_fsdp2_reduce_scatters_once_per_step_and_is_exact(tmp_path: Any) -> None:
     # 24 sequences, 12 per rank, 2 per micro-batch: 6 micro-batches per rank, k=3, so 2 optimizer steps.
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
-    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+    mp.start_processes(_worker, args=(fsdp2._free_port(), str(tmp_path)), nprocs=fsdp2.WORLD_SIZE, start_method="spawn")
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(fsdp2.WORLD_SIZE)]
     assert all(r["sharded"] for r in ranks)
     assert [len(r["step_grads"]) for r in ranks] == [2, 2]
     # Without the held-back sync, every micro-batch reduce-scatters: 6 per FSDP unit instead of 2.
-    assert [reduce_scatters(r) for r in ranks] == [FSDP_UNITS * 2] * WORLD_SIZE
+    assert [fsdp2.reduce_scatters(r) for r in ranks] == [fsdp2.FSDP_UNITS * 2] * fsdp2.WORLD_SIZE
     h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
     windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
-    expected = h.replay_reference(ShardedTokenModel(), h.TokenDataset(24), windows, h.token_loss, lr=LR)
+    expected = h.replay_reference(fsdp2.ShardedTokenModel(), h.TokenDataset(24), windows, h.token_loss, lr=fsdp2.LR)
     h.assert_grads_close(ranks[0]["step_grads"], expected, **h.FP32)
