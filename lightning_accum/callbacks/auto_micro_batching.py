@@ -290,7 +290,7 @@ class AutoMicroBatching(AccumulationOwner):
             "mode": "split",
             "micro_batch_size": planner.micro_batch_size_setting,
             "max_memory": self._max_memory_given,
-            "max_memory_bytes": None if budget is None else int(budget),  # resolved at the start of training
+            "budget_bytes": None if budget is None else int(budget),  # resolved at the start of training
             "memory_capacity_bytes": self._capacity_bytes,
             "min_micro_batch_size": planner.min_micro_batch_size,
             **super().settings(),

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning_accum.memory.budget import parse_size
+
 
 class CommandError(Exception):
     """A mistake in how a command was called: `lightning_accum.cli.main.main` prints it as one ``error:`` line.
@@ -46,6 +48,26 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
+
+
+def memory_size(text: str) -> int:
+    """An ``argparse`` type: a size with its unit, such as ``8GiB`` or ``500MB``, in bytes (``> 0``)."""
+    try:
+        value = parse_size(text)
+    except ValueError:
+        hint = " (add a unit: GiB, MiB, GB, ...)" if _is_number(text) else ""
+        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB or 500MB, got {text!r}{hint}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size > 0, such as 8GiB or 500MB, got {text!r}")
+    return value
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_output_dir(value: str, flag: str) -> Path:

@@ -4,7 +4,7 @@ Examples::
 
     lightning-accum probe --model my_pkg.models:MyModel --init-args '{"width": 512}' \\
         --data my_pkg.data:MyDataModule --data-init-args '{"root": "data"}' \\
-        --batch-size 64 --accumulation-steps 2 4 --budget-gib 8 --output-dir probe_out
+        --batch-size 64 --accumulation-steps 2 4 --max-memory 8GiB --output-dir probe_out
     lightning-accum probe --config config.yaml --batch-size 64 --device cuda
     lightning-accum probe --model examples.llama8b.model:LlamaLM --data examples.llama8b.model:random_tokens \\
         --batch-size 8 --accumulation-steps 8 --device meta --target cuda --precision bf16-true --json
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import lightning_accum
-from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, positive_float
+from lightning_accum.cli._common import CommandError, check_output_dir, int_at_least, memory_size, positive_float
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.fake import TARGETS
 from lightning_accum.memory.precision import PRECISIONS
@@ -102,7 +102,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="+",
         help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
     )
-    parser.add_argument("--budget-gib", type=positive_float, help="a memory budget in GiB: which micro-batch fits it?")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--max-memory",
+        type=memory_size,
+        help="a memory budget, as AutoMicroBatching(max_memory=) takes it: a size such as 8GiB; which micro-batch "
+        "fits it?",
+    )
+    # The older spelling of --max-memory, in GiB; kept so that existing scripts run.
+    budget.add_argument("--budget-gib", type=positive_float, help=argparse.SUPPRESS)
     parser.add_argument(
         "--device",
         default="cpu",
@@ -201,10 +209,16 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
         device=device,
         target=args.target,
         precision=args.precision,
-        budget_bytes=None if args.budget_gib is None else args.budget_gib * GIB,
+        budget_bytes=_budget_bytes(args),
         module_init_args=module_init_args,
         data_init_args=data_init_args,
     )
+
+
+def _budget_bytes(args: argparse.Namespace) -> float | None:
+    if args.budget_gib is not None:
+        return args.budget_gib * GIB
+    return args.max_memory
 
 
 def _device(text: str) -> str:

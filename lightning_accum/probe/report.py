@@ -111,19 +111,19 @@ def _budget_lines(result: ProbeResult) -> list[str]:
         return []
     if not result.peak_model.fitted():
         return [
-            f"A budget of {result.budget_bytes / _GiB:.3g} GiB was given, but peak(b) needs accumulating "
+            f"A budget of {_budget_text(result.budget_bytes)} was given, but peak(b) needs accumulating "
             "configurations at two micro-batch sizes to say which b fits it: add `fit_micro_batch_sizes`."
         ]
     b = result.fitting_micro_batch_size
     if b is None:
         return [
-            f"With a budget of {result.budget_bytes / _GiB:.3g} GiB not even b=1 fits (predicted "
+            f"With a budget of {_budget_text(result.budget_bytes)} not even b=1 fits (predicted "
             f"{_mib(result.peak_model.predict(1))}): shard the model or lower its memory."
         ]
     k = math.ceil(result.batch_size / b)
     kept = f", keeping {result.headroom:.0%} of it free" if result.headroom else ""
     return [
-        f"With a budget of {result.budget_bytes / _GiB:.3g} GiB{kept} the largest micro-batch that fits is b={b} "
+        f"With a budget of {_budget_text(result.budget_bytes)}{kept} the largest micro-batch that fits is b={b} "
         f"(predicted {_mib(result.peak_model.predict(b))}); use k={k} to keep the effective batch at "
         f"{result.batch_size}."
     ]
@@ -344,6 +344,12 @@ def _size_text(value: float) -> int | str:
         if value >= size and value % size == 0:
             return f"{int(value // size)}{unit}"
     return int(value)
+
+
+def _budget_text(value: float) -> str:
+    """A budget as the user likely wrote it: ``100MiB`` for a whole number of a unit, else in GiB."""
+    size = _size_text(value)
+    return size if isinstance(size, str) else f"{value / _GiB:.3g} GiB"
 
 
 def _signed(value: float, positive: str, negative: str) -> str:

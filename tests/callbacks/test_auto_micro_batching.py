@@ -547,7 +547,7 @@ def test_settings_hold_every_argument(tmp_path, kwargs, given):
     capacity = settings["memory_capacity_bytes"]
     expected = {"mode": "split", **kwargs, **given, "memory_capacity_bytes": capacity}
     expected |= {"split_batch": "the built-in rules", "batch_size_of": "the built-in rules"}
-    expected["max_memory_bytes"] = 8 * 2**30 if kwargs else int(0.9 * capacity)
+    expected["budget_bytes"] = 8 * 2**30 if kwargs else int(0.9 * capacity)
     assert settings == expected
 
 

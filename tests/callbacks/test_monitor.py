@@ -459,7 +459,7 @@ def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
         finish_wandb()
         config = read_offline_run(tmp_path / name / "wandb", wait_s=10).config[CONFIG_KEY]
         if name == "split":
-            assert config["max_memory"] == "20GiB" and config["max_memory_bytes"] == 20 * 2**30
+            assert config["max_memory"] == "20GiB" and config["budget_bytes"] == 20 * 2**30
             expected = {"grow_patience": 7, "low_watermark": 0.6, "oom_cooldown": 11, "predictive": True}
             expected |= {"pin_micro_batch_size": False, "min_micro_batch_size": 1, "gradient_sync": "deferred"}
             expected |= {"micro_batch_size": 4, "count_items": "samples", "loss_reduction": "mean"}

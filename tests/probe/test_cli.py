@@ -51,8 +51,8 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys, measuring):
             "2",
             "--accumulation-steps",
             "4",
-            "--budget-gib",
-            "0.001",
+            "--max-memory",
+            "1MiB",
             "--steps",
             "1",
             "--output-dir",
@@ -227,17 +227,19 @@ SMALL = ["--batch-size", "4", "--accumulation-steps", "2", "--fit-micro-batch-si
 def test_cli_json_is_the_only_thing_on_stdout(capsys, tmp_path, measuring):
     out = tmp_path / "out"
     outcome = run_cli(
-        capsys, *PROBE, *SMALL, "--device", "meta", "--budget-gib", "0.001", "--json", "--output-dir", str(out)
+        capsys, *PROBE, *SMALL, "--device", "meta", "--max-memory", "1MiB", "--json", "--output-dir", str(out)
     )
     assert outcome.code == 0, outcome
     data = json.loads(outcome.out)  # nothing else on stdout: `probe --json | jq` works
     assert (data["device"], data["target"], data["precision"]) == ("meta (as cpu)", "cpu", "32-true")
+    assert data["budget_bytes"] == 2**20  # --max-memory takes a size, as AutoMicroBatching(max_memory=) does
     assert data["snippet"].startswith("AutoMicroBatching(micro_batch_size=")
     assert data == json.loads((out / "probe.json").read_text())
     assert outcome.err.startswith("wrote ")
 
 
 def test_cli_predicts_for_cuda_in_bf16_and_ends_with_the_snippet(capsys, measuring):
+    # --budget-gib, the older spelling of --max-memory in GiB, still works.
     argv = [*SMALL, "--device", "meta", "--target", "cuda", "--precision", "bf16-true", "--budget-gib", "0.001"]
     outcome = run_cli(capsys, *PROBE, *argv)
     assert outcome.code == 0, outcome
