@@ -65,3 +65,19 @@ def test_resuming_from_a_checkpoint_runs(tmp_path, name):
     trainer = make_trainer(tmp_path / "b", [factory()], max_epochs=2)
     trainer.fit(model, DataLoader(IndexedDataset(24), batch_size=batch_size), ckpt_path=ckpt)
     assert trainer.current_epoch == 2 and trainer.global_step > first.global_step
+
+
+def test_the_monitors_noise_scale_average_survives_a_checkpoint(tmp_path):
+    # With the noise scale on, the monitor carries a moving average over windows: a resumed run continues it.
+    monitor = AccumulationMonitor(gradient_noise_scale=True)
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], enable_checkpointing=True)
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(24), batch_size=4))
+    ckpt = tmp_path / "state.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"][monitor.state_key]
+    assert saved["noise_scale"]["windows"] == trainer.global_step == 3
+
+    fresh = AccumulationMonitor(gradient_noise_scale=True)
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved
+    assert fresh.noise_scale.value() == monitor.noise_scale.value()
