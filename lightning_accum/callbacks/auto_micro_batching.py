@@ -636,11 +636,13 @@ class AutoMicroBatching(AccumulationOwner):
             self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
         )
         self._size_changed = planned != self._size
-        self._take_planner_events(trainer)
         self._warn_if_budget_unreachable(peak)
         if self._totals is not None:
             totals, self._totals = self._totals, None
             self._publish_step("split", self._size, totals, self._window_loss, peak, self.planner.budget_bytes)
+        # A shrink or grow decided now applies from the next step on: it is reported with that step, where the
+        # logged micro-batch size changes (an OOM's events belong to the step that recovered, reported above).
+        self._take_planner_events(trainer)
 
     def _warn_if_budget_unreachable(self, peak: int) -> None:
         budget = self.planner.budget_bytes

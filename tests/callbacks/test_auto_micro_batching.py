@@ -7,6 +7,7 @@ import csv
 import logging
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
@@ -208,7 +209,8 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
         return on_step(size, peak_bytes, step, alloc_retries_delta)
 
     callback.planner.on_step = record_peak
-    trainer = make_trainer(tmp_path, [callback], max_steps=24)
+    reports = ReportRecorder(callback)
+    trainer = make_trainer(tmp_path, [callback, reports], max_steps=24)
     trainer.fit(model, DataLoader(TokenDataset(64 * 24), batch_size=64))
     kinds = [e.kind for e in callback.events]
     sizes = model.step_sizes
@@ -220,7 +222,25 @@ def test_shrinks_under_a_byte_budget_and_grows_back_after_a_memory_hungry_phase(
     assert sizes[-1] > min(sizes[6:14]), sizes
     # Settled, i.e. once the planner stopped shrinking: the peak stays under the budget, growth included.
     last_shrink = max(e.step for e in callback.events if e.kind == "shrink")
-    assert max(peaks[last_shrink:]) <= budget, [round((p - budget) / 2**20) for p in peaks]
+    # (A shrink decided after the last step leaves nothing to check.)
+    assert max(peaks[last_shrink:], default=0) <= budget, [round((p - budget) / 2**20) for p in peaks]
+    # Each resize is reported with the first step that runs at the new size, where the logged size changes.
+    resized = [(i, e) for i, r in enumerate(reports.reports) for e in r.events if e.kind in ("shrink", "grow")]
+    decided = [e for e in callback.events if e.kind in ("shrink", "grow") and e.step < len(reports.reports)]
+    assert [e for _, e in resized] == decided and len(decided) >= 2
+    for i, event in resized:
+        assert event.step == i and reports.reports[i].micro_batch_size == event.after, (i, event)
+        assert reports.reports[i - 1].micro_batch_size == event.before, (i, event)
+
+
+class ReportRecorder(pl.Callback):
+    """Keeps the step report the owner published at each optimizer step."""
+
+    def __init__(self, owner: AutoMicroBatching) -> None:
+        self.owner, self.reports = owner, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.reports.append(self.owner.last_step_report)
 
 
 # ---- the cold start's pre-flight (issue 12, item 3) ------------------------------------------------------------------
