@@ -202,6 +202,11 @@ class IntervalTotals:
         self.peak_bytes = 0  # the largest peak an owner measured in the interval (split mode), all ranks
         self.last: StepReport | None = None
 
+    def add_peak(self, fraction: float, memory_limit: str) -> None:
+        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
+        self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
+        self.memory_limit = memory_limit
+
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
         self.samples += report.effective_batch_size
@@ -306,8 +311,15 @@ class FitSummary:
         self.settled: tuple[int, int] | None = None  # (size, since step)
         self.oom_steps: list[int] = []
         self.samples = 0
+        self._step_samples: list[int] = []  # each step's effective batch size
         self.seconds = 0.0
-        self.peak_fraction_of_budget: float | None = None
+        self.peak_fraction: float | None = None  # the highest peak, as a fraction of `memory_limit`
+        self.memory_limit = "budget"  # or "capacity", where no budget is set
+
+    def add_peak(self, fraction: float, memory_limit: str) -> None:
+        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
+        self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
+        self.memory_limit = memory_limit
 
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
@@ -319,17 +331,28 @@ class FitSummary:
         self.effective_batch_sizes.add(report.effective_batch_size)
         self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
         self.samples += report.effective_batch_size
+        self._step_samples.append(report.effective_batch_size)
         self.steps += 1
+
+    def sum_over_ranks(self, sum_across_ranks: Callable[[Tensor], Tensor]) -> None:
+        """Make counts taken from this rank's batches only (plain Lightning under DDP) global: one all-reduce.
+
+        Every rank must call it, with the same number of steps (ranks step together).
+        """
+        total = sum_across_ranks(torch.tensor(self._step_samples, dtype=torch.int64)).tolist()
+        self._step_samples = [int(n) for n in total]
+        self.effective_batch_sizes = set(self._step_samples)
+        self.samples = sum(self._step_samples)
 
     def as_dict(self) -> dict[str, float]:
         """The numbers, for a logger."""
-        figures: dict[str, float] = {"steps": self.steps, "oom_recovered": len(self.oom_steps)}
+        figures: dict[str, float] = {"steps": self.steps, "samples": self.samples, "oom_recovered": len(self.oom_steps)}
         if self.settled is not None:
             figures["micro_batch_size_settled"] = self.settled[0]
         if self.seconds > 0:
             figures["samples_per_sec"] = self.samples / self.seconds
-        if self.peak_fraction_of_budget is not None:
-            figures["peak_fraction_of_budget"] = self.peak_fraction_of_budget
+        if self.peak_fraction is not None:
+            figures[f"peak_fraction_of_{self.memory_limit}"] = self.peak_fraction
         return figures
 
     def text(self) -> str:
@@ -345,8 +368,8 @@ class FitSummary:
             plural = "s" if len(self.oom_steps) > 1 else ""
             steps = ", ".join(str(s) for s in self.oom_steps)
             parts.append(f"{len(self.oom_steps)} OOM{plural} recovered (step{plural} {steps})")
-        if self.peak_fraction_of_budget is not None:
-            parts.append(f"peak memory {self.peak_fraction_of_budget:.0%} of the budget")
+        if self.peak_fraction is not None:
+            parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}")
         if self.seconds > 0:
             parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
         return "; ".join(parts) + "."

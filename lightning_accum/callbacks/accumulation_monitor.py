@@ -210,6 +210,8 @@ class AccumulationMonitor(Callback):
         if not self.summary or self._fit_summary.steps == 0:
             return
         self._fit_summary.seconds = time.perf_counter() - self._fit_start - self._validation_seconds
+        if self._owner is None and trainer.world_size > 1:  # counted from this rank's batches: every rank calls this
+            self._fit_summary.sum_over_ranks(sum_across_ranks_fn(trainer))
         rank_zero_info(self._fit_summary.text())
         if trainer.is_global_zero:  # as run-level values (W&B config, hparams.yaml), not as one more metric row
             for logger in trainer.loggers:
@@ -321,7 +323,7 @@ class AccumulationMonitor(Callback):
         metrics = {**figures.as_metrics(), **self._noise_metrics(), **event_metrics(interval.events)}
         metrics.update(self._extra_metrics(trainer))
         metrics = {self.key_prefix + key: value for key, value in metrics.items()}
-        self._show_memory(trainer, peak, budget if budget is not None else capacity)
+        self._show_memory(trainer, peak, budget, capacity)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -344,13 +346,13 @@ class AccumulationMonitor(Callback):
             metrics.update({f"memory/rank{rank}/peak_gib": to_gib(peak) for rank, peak in enumerate(gathered)})
         return metrics
 
-    def _show_memory(self, trainer: pl.Trainer, peak: int, limit: int) -> None:
+    def _show_memory(self, trainer: pl.Trainer, peak: int, budget: float | None, capacity: int) -> None:
         """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
+        limit = budget if budget is not None else capacity
         if limit <= 0:
             return
         fraction = peak / limit
-        previous = self._fit_summary.peak_fraction_of_budget
-        self._fit_summary.peak_fraction_of_budget = fraction if previous is None else max(previous, fraction)
+        self._fit_summary.add_peak(fraction, "budget" if budget is not None else "capacity")
         if self.progress_bar:
             _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
 

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -321,6 +322,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
     b, k, world = 4, 2, 2
     spike = 512 * 1024**2
     callbacks, kwargs = monitor_with_owner(owner, k)
+    callbacks[-1] = AccumulationMonitor(per_rank_memory=True)
     # A fixed version: the spawned rank 0 writes the file, and the parent would otherwise resolve the next version.
     csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
@@ -339,6 +341,13 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
         assert 0 < row[keys.PEAK_GIB] <= row[keys.CAPACITY_GIB]
     # Rank 0 (the one that logs) never held the block: the logged peak is rank 1's.
     assert rows[1][keys.PEAK_GIB] - rows[0][keys.PEAK_GIB] > 0.8 * spike / GIB
+    # per_rank_memory: each rank's own peak, gathered; the block shows on rank 1 only, in the 2nd step.
+    assert rows[1]["memory/rank1/peak_gib"] == rows[1][keys.PEAK_GIB]
+    assert rows[1]["memory/rank1/peak_gib"] - rows[1]["memory/rank0/peak_gib"] > 0.8 * spike / GIB
+    assert rows[0]["memory/rank1/peak_gib"] - rows[0]["memory/rank0/peak_gib"] < 0.2 * spike / GIB
+    # The end-of-fit summary counts the samples of every rank, also when plain Lightning counts from the batches.
+    summary = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert (summary["steps"], summary["samples"]) == (2, 32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -522,11 +531,23 @@ def test_the_end_of_fit_summary_is_printed_and_logged(tmp_path, caplog):
     assert "micro-batch 4 to 8, settled at 4 from step 2" in line
     assert "1 OOM recovered (step 2)" in line
     assert "of the budget" in line and "samples/s" in line
-    import yaml
 
     logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
     assert logged["steps"] == 4 and logged["oom_recovered"] == 1 and logged["micro_batch_size_settled"] == 4
     assert logged["samples_per_sec"] > 0 and 0 < logged["peak_fraction_of_budget"]
+    assert logged["samples"] == 64
+
+
+def test_without_a_budget_the_summary_gives_the_peak_against_the_capacity(tmp_path, caplog):
+    import logging
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], csv_logger, n=32, max_epochs=1)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_accum: 4 optimizer"))
+    assert "of the capacity" in line and "budget" not in line
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert 0 < logged["peak_fraction_of_capacity"] < 1 and "peak_fraction_of_budget" not in logged
 
 
 def test_monitor_options_prefix_training_time_and_per_rank_memory(tmp_path):
