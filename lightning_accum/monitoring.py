@@ -312,6 +312,7 @@ class FitSummary:
         self.oom_steps: list[int] = []
         self.samples = 0
         self._step_samples: list[int] = []  # each step's effective batch size
+        self.event_counts: dict[str, int] = {}  # events of the run by metric key
         self.seconds = 0.0
         self.peak_fraction: float | None = None  # the highest peak, as a fraction of `memory_limit`
         self.memory_limit = "budget"  # or "capacity", where no budget is set
@@ -330,6 +331,9 @@ class FitSummary:
         self.micro_batch_range = (min(low, size), max(high, size))
         self.effective_batch_sizes.add(report.effective_batch_size)
         self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
+        for event in report.events:
+            key = EVENT_KEY_BY_KIND[event.kind]
+            self.event_counts[key] = self.event_counts.get(key, 0) + 1
         self.samples += report.effective_batch_size
         self._step_samples.append(report.effective_batch_size)
         self.steps += 1

@@ -207,7 +207,10 @@ class AccumulationMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.summary or self._fit_summary.steps == 0:
+        if self._fit_summary.steps == 0:
+            return
+        self._wandb_event_counts(trainer)
+        if not self.summary:
             return
         self._fit_summary.seconds = time.perf_counter() - self._fit_start - self._validation_seconds
         if self._owner is None and trainer.world_size > 1:  # counted from this rank's batches: every rank calls this
@@ -224,8 +227,17 @@ class AccumulationMonitor(Callback):
             settings = self._settings(trainer)
             for logger in trainer.loggers:
                 if isinstance(logger, WandbLogger):
-                    define_metrics(logger.experiment)
+                    define_metrics(logger.experiment, self.key_prefix)
                     record_config(logger.experiment, settings)
+
+    def _wandb_event_counts(self, trainer: pl.Trainer) -> None:
+        """Each event key's W&B run summary: how many such events the run had."""
+        if trainer.is_global_zero and any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
+            from lightning_accum.integrations.wandb import record_event_counts
+
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    record_event_counts(logger.experiment, self._fit_summary.event_counts, self.key_prefix)
 
     def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
         if self._owner is not None:

@@ -198,11 +198,12 @@ def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]
 # ------------------------------------------------------------------------------------------------------------------
 # a live run: metric definitions and config
 # ------------------------------------------------------------------------------------------------------------------
-def define_metrics(run: Any) -> None:
+def define_metrics(run: Any, prefix: str = "") -> None:
     """Define every contract key on ``run`` against `STEP_METRIC`: max summaries for memory peaks, none for events.
 
     Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
-    take precedence over the glob.
+    take precedence over the glob. ``prefix`` is the monitor's ``key_prefix``, put in front of every key.
+    An event key's summary is set at the end of ``fit`` to the number of events (`record_event_counts`).
     """
     run.define_metric(STEP_METRIC)
     for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS):
@@ -211,7 +212,16 @@ def define_metrics(run: Any) -> None:
             kwargs["summary"] = "max"
         elif key in NO_SUMMARY_KEYS:
             kwargs["summary"] = "none"
-        run.define_metric(key, **kwargs)
+        run.define_metric(prefix + key, **kwargs)
+
+
+def record_event_counts(run: Any, counts: Mapping[str, int], prefix: str = "") -> None:
+    """Set each event key's run summary to how many such events the run had (0 included).
+
+    The history holds each event's size after the change; W&B would otherwise summarize an event key by its last
+    value, which reads like a count (``events/oom_recovered: 2`` after one OOM that left size 2).
+    """
+    run.summary.update({prefix + key: int(counts.get(key, 0)) for key in keys.EVENT_KEYS})
 
 
 def record_config(run: Any, settings: Mapping[str, Any]) -> None:

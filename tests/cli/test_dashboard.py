@@ -192,6 +192,24 @@ def test_an_events_run_summary_is_not_its_last_size(tmp_path, wandb_offline):
     wandb.finish()
     run = read_offline_run(tmp_path / "wandb", wait_s=10)
     assert run.column(keys.EVENT_OOM_RECOVERED) == [(1, 2)]
-    assert keys.EVENT_OOM_RECOVERED not in run.summary  # it used to read `events/oom_recovered: 2`
-    assert run.summary[keys.OOM_RETRIES] == 1  # the count
+    # The summary is the number of events (it used to read `events/oom_recovered: 2`, the size after the OOM).
+    assert run.summary[keys.EVENT_OOM_RECOVERED] == 1 == run.summary[keys.OOM_RETRIES]
+    assert run.summary[keys.EVENT_GROW] == run.summary[keys.EVENT_SHRINK] == 0
+    assert run.summary[keys.EVENT_SCHEDULE_CHANGE] == 0
     assert all(run.metrics[key]["summary"] == ["none"] for key in keys.EVENT_KEYS)
+
+
+def test_a_key_prefix_keeps_the_metric_definitions(tmp_path, wandb_offline):
+    import wandb
+
+    owner = AutoMicroBatching(4, max_memory=0.5, fault_injector=OOMInjector(OOMFault(step=1, micro_batch=0)))
+    monitor = AccumulationMonitor(key_prefix="run2/")
+    logger = WandbLogger(project="accum", save_dir=str(tmp_path))
+    make_trainer(tmp_path, [owner, monitor], logger=logger).fit(
+        RegressionModel(), DataLoader(IndexedDataset(24), batch_size=8)
+    )
+    wandb.finish()
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
+    assert run.metrics["run2/" + keys.PEAK_GIB]["summary"] == ["max"]
+    assert run.metrics["run2/" + keys.EVENT_OOM_RECOVERED]["summary"] == ["none"]
+    assert run.summary["run2/" + keys.EVENT_OOM_RECOVERED] == 1
