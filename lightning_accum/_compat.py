@@ -261,7 +261,7 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None
     trainer.callback_metrics.update({key: torch.tensor(float(value)) for key, value in metrics.items()})
 
 
-def set_progress_bar_metrics(trainer: pl.Trainer, metrics: dict[str, float | int]) -> None:
+def set_progress_bar_metrics(trainer: pl.Trainer, metrics: dict[str, float | int | str]) -> None:
     """Show ``metrics`` in Lightning's progress bar (TQDM or Rich), as ``self.log(..., prog_bar=True)`` would.
 
     Both bars read ``trainer.progress_bar_metrics`` (``ProgressBar.get_metrics``), which returns the connector's own

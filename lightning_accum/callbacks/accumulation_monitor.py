@@ -275,7 +275,9 @@ class AccumulationMonitor(Callback):
         self._interval.add(report)
         self._fit_summary.add(report)
         if self.progress_bar:  # what Lightning's TQDM and Rich bars show next to the loss
-            _compat.set_progress_bar_metrics(trainer, {"mb": report.micro_batch_size, "k": report.accumulation_steps})
+            # As text: Rich's bar formats every number with 3 decimals ("mb: 4.000").
+            bar = {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
+            _compat.set_progress_bar_metrics(trainer, bar)
         self._windows_since_noise += 1
         if report.noise is not None:
             # A measurement stands for the windows since the last one (an interval, or windows too short to measure).

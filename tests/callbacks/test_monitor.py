@@ -494,8 +494,15 @@ def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar):
     trainer = make_trainer(tmp_path, [owner, AccumulationMonitor(), progress], enable_progress_bar=True)
     trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16))
     shown = progress.get_metrics(trainer, model)  # what the bar draws next to the loss
-    assert shown["mb"] == 4 and shown["k"] == 4
+    assert shown["mb"] == "4" and shown["k"] == "4"  # text: Rich would draw a number as "4.000"
     assert 0 < shown["mem"] < 1  # the peak as a fraction of the budget (half the machine's memory)
+    # ...and the line each bar drew last (Lightning internals: the tqdm postfix, Rich's metrics column).
+    if bar == "tqdm":
+        drawn = progress.train_progress_bar.postfix
+        assert drawn.startswith("mb=4, k=4, mem=0.") and drawn.endswith(f"{shown['mem']:.3f}"), drawn
+    else:
+        drawn = " ".join(progress._metric_component._generate_metrics_texts())
+        assert drawn.startswith("mb: 4 k: 4 mem: 0."), drawn
 
 
 def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
