@@ -23,7 +23,13 @@ from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
 from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory
-from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
+from lightning_accum.memory.oom import (
+    OOMInjector,
+    describe_error,
+    is_oom_error,
+    release_cached_memory,
+    release_memory,
+)
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -178,7 +184,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._size = 0  # micro-batch size of the current step
         self._retries_at_start = 0
         self._warned_unreachable = False
-        self._size_changed = False
+        self._size_shrunk = False
         self._grads_summed = False  # deferred sync done: buffers hold the sum over ranks, not DDP's mean
         self._logs: StepLogCombiner | None = None
         self._capacity_bytes = 0
@@ -309,7 +315,7 @@ class AutoMicroBatching(AccumulationOwner):
         # Also after an exception: a second `fit` of the same Trainer must find no half-finished step behind.
         super()._restore(trainer)
         self._grads_summed = False
-        self._size_changed = False
+        self._size_shrunk = False
         if self._logs is not None:
             self._logs.clear()
 
@@ -330,11 +336,12 @@ class AutoMicroBatching(AccumulationOwner):
                 " optimizer step. Remove whatever sets it (e.g. a `GradientAccumulationScheduler`), and make the"
                 " dataloader yield larger step batches to grow the effective batch size."
             )
-        if self._size_changed:
+        if self._size_shrunk:
             # Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak
-            # measured at the new size; release it once, not every step (re-faulting pages costs throughput).
-            release_memory()
-            self._size_changed = False
+            # measured at the new size; release it once, not every step (re-faulting pages costs throughput). A grow
+            # has nothing to release: the larger step reuses what the smaller one held.
+            release_cached_memory()
+            self._size_shrunk = False
         if self._cold:
             self._cold = False
             self._start_from_preflight(trainer, pl_module, batch)
@@ -635,7 +642,7 @@ class AutoMicroBatching(AccumulationOwner):
         planned = self.planner.on_step(
             self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
         )
-        self._size_changed = planned != self._size
+        self._size_shrunk = planned < self._size
         self._warn_if_budget_unreachable(peak)
         if self._totals is not None:
             totals, self._totals = self._totals, None

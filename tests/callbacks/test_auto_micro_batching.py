@@ -351,6 +351,30 @@ def test_pinning_auto_names_the_users_argument():
         AutoMicroBatching(pin_micro_batch_size=True)
 
 
+def test_a_shrink_releases_cached_memory_once_and_a_grow_releases_nothing(tmp_path, monkeypatch):
+    # Memory the larger size freed would inflate the peak measured at the smaller one: a shrink releases it once,
+    # without gc.collect() (half a second here). A grow has nothing to release.
+    import lightning_accum.callbacks.auto_micro_batching as amb
+
+    calls: list[str] = []
+    monkeypatch.setattr(amb, "release_cached_memory", lambda: calls.append("cached"))
+    monkeypatch.setattr(amb, "release_memory", lambda: calls.append("gc"))
+    callback = AutoMicroBatching(8, max_memory=0.5)
+    plan = iter([4, 4, 8, 8, 2, 2])  # the size each step's end plans for the next one
+
+    def planned(size, peak_bytes, step, alloc_retries_delta=0):
+        calls.append(f"step {step}")
+        callback.planner._limit = next(plan)  # the planner's size limit, scripted here
+        return callback.planner.micro_batch_size
+
+    callback.planner.on_step = planned
+    model = SplitTokenModel()
+    make_trainer(tmp_path, [callback], max_steps=6).fit(model, DataLoader(TokenDataset(48), batch_size=8))
+    assert model.micro_batch_sizes == [8, 4, 4, 4, 4, 8, 8, 2, 2, 2, 2]
+    # Steps are counted from 1 at the end of a step (Lightning's global_step after the optimizer step).
+    assert calls == ["step 1", "cached", "step 2", "step 3", "step 4", "step 5", "cached", "step 6"]
+
+
 def test_gradient_clipping_sees_the_exact_step_gradient(tmp_path):
     callback = AutoMicroBatching(4, count_items=count_tokens)
     dataset = TokenDataset(48)
