@@ -396,17 +396,23 @@ class LogsItsLoss(RegressionModel):
 def test_the_monitor_logs_on_lightnings_step_axis(tmp_path, log_every_n_steps):
     # `self.log` and LearningRateMonitor write the first optimizer step at step 0; the monitor's row for an optimizer
     # step must be the same row. With k=1 the window loss of a step is the loss `self.log` saw in that step.
-    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 
     csv_logger = CSVLogger(str(tmp_path), name="csv")
-    callbacks = [AccumulationScheduler(1), AccumulationMonitor(), LearningRateMonitor()]
+    throughput = ThroughputMonitor(batch_size_fn=lambda batch: len(batch["x"]))
+    callbacks = [AccumulationScheduler(1), AccumulationMonitor(), LearningRateMonitor(), throughput]
     trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, max_epochs=1, log_every_n_steps=log_every_n_steps)
     trainer.fit(LogsItsLoss(), DataLoader(IndexedDataset(24), batch_size=4))
     rows = read_csv(csv_logger.log_dir)
     monitor_steps = sorted(s for s, r in rows.items() if keys.WINDOW_LOSS in r)
     user_steps = sorted(s for s, r in rows.items() if "train/loss" in r)
     lr_steps = sorted(s for s, r in rows.items() if "lr-SGD" in r)
-    assert monitor_steps == user_steps == lr_steps == list(range(log_every_n_steps - 1, 6, log_every_n_steps))
+    throughput_steps = sorted(s for s, r in rows.items() if "train/samples" in r)
+    expected = list(range(log_every_n_steps - 1, 6, log_every_n_steps))
+    assert monitor_steps == user_steps == lr_steps == throughput_steps == expected
+    # ThroughputMonitor counts samples up to the step it logs at; so does the monitor (4 per step).
+    for step in monitor_steps:
+        assert rows[step]["train/samples"] == 4 * (step + 1)
     if log_every_n_steps == 1:  # (a longer interval's window loss covers the whole interval)
         for step in monitor_steps:
             assert rows[step][keys.WINDOW_LOSS] == pytest.approx(rows[step]["train/loss"], rel=1e-6)
