@@ -57,17 +57,26 @@ def _float_weights(dataset: h.TokenDataset, kind: str) -> h.TokenDataset:
     return dataset
 
 
+@pytest.mark.parametrize("mode", ["window", "split"])
 @pytest.mark.parametrize("kind", ["megatron-mask", "sample-weights"])
-def test_float_item_counts_give_the_exact_weighted_mean(tmp_path, kind):
+def test_float_item_counts_give_the_exact_weighted_mean(tmp_path, kind, mode):
     # `count_items` returns `mask.sum()` over a float mask; the loss is sum(w * l) / sum(w) per micro-batch, and the
     # window's gradient must be that of sum(w * l) / sum(w) over the whole window, not a mean of the ratios.
     dataset = _float_weights(h.TokenDataset(30), kind)
     model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
-    scheduler = AccumulationScheduler(3, count_items=h.count_tokens)
-    h.make_trainer(tmp_path, [scheduler]).fit(model, DataLoader(dataset, batch_size=4))
+    if mode == "window":  # 8 micro-batches of 4: windows of 3, 3, 2
+        scheduler = AccumulationScheduler(3, count_items=h.count_tokens)
+        loader = DataLoader(dataset, batch_size=4)
+    else:  # step batches of 12, 12, 6 in micro-batches of 4: 3, 3, 2
+        model.split_mode = True
+        scheduler = AutoMicroBatching(4, count_items=h.count_tokens)
+        loader = DataLoader(dataset, batch_size=12)
+    h.make_trainer(tmp_path, [scheduler]).fit(model, loader)
 
-    assert len(model.step_grads) == 3  # 8 micro-batches: windows of 3, 3, 2
+    assert [len(indices) for indices in model.step_indices] == [12, 12, 6]
+    if mode == "split":  # the last step batch of 6 is cut into balanced halves
+        assert scheduler.last_step_report.accumulation_steps == 2 and scheduler.last_step_report.micro_batch_size == 3
     expected = h.replay_reference(initial, dataset, model.step_indices, h.token_loss, lr=0.05)
     h.assert_grads_close(model.step_grads, expected, **h.FP32)
     last_window = dataset.mask[model.step_indices[-1]]
