@@ -18,6 +18,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -387,6 +388,12 @@ def install_split_closure(trainer: pl.Trainer, run_step: Callable[[SplitStepCont
 
     automatic._make_closure = _make_closure  # type: ignore[method-assign]
     return lambda: automatic.__dict__.pop("_make_closure", None)
+
+
+def process_group_timeout(strategy: Any) -> timedelta | None:
+    """The timeout the strategy gives its process group (``DDPStrategy(timeout=)``, ``ModelParallelStrategy``'s)."""
+    timeout = getattr(strategy, "_timeout", None)
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def ddp_process_group(strategy: Any) -> Any:

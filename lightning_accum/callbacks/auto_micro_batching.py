@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -239,6 +240,14 @@ class AutoMicroBatching(AccumulationOwner):
                 " `AccumulationScheduler` (window mode) instead of `AutoMicroBatching`."
             )
         _warn_about_batch_norm(pl_module)
+        warning = overlap_wait_warning(
+            self.gradient_sync,
+            trainer.world_size,
+            getattr(strategy, "process_group_backend", None),
+            _compat.process_group_timeout(strategy),
+        )
+        if warning:
+            rank_zero_warn(warning)
         self._hooks = resolve_batch_hooks(pl_module, **self._hook_arguments)
         self._claim(trainer)
 
@@ -732,4 +741,36 @@ def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
         " Use GroupNorm or LayerNorm, or keep the step batch in one piece with"
         " `AutoMicroBatching(<step batch size>, pin_micro_batch_size=True)` if it fits (it is still split after an"
         " OOM)."
+    )
+
+
+OVERLAP_WAIT_LIMIT = timedelta(minutes=10)
+"""Longer than this, a rank left waiting by an OOM inside the synced backward is worth a warning."""
+
+
+def overlap_wait_warning(
+    gradient_sync: str, world_size: int, backend: str | None, timeout: timedelta | None
+) -> str | None:
+    """The warning for a run whose ranks could wait out a long NCCL timeout after an OOM in the synced backward.
+
+    With ``gradient_sync="overlap"`` (and under FSDP2) an OOM inside the last backward on one rank cannot be retried:
+    that rank stops, and the others learn of it when their all-reduce fails. gloo notices the closed connection at
+    once; NCCL may not notice a dead peer and waits for the process group's timeout (30 minutes in Lightning).
+
+    Examples:
+        >>> overlap_wait_warning("overlap", 8, "nccl", timedelta(minutes=5)) is None
+        True
+        >>> overlap_wait_warning("overlap", 8, "nccl", timedelta(minutes=30))[:58]
+        "With `gradient_sync='overlap'`, an OOM inside the last mic"
+    """
+    if gradient_sync != "overlap" or world_size < 2 or backend != "nccl" or timeout is None:
+        return None
+    if timeout <= OVERLAP_WAIT_LIMIT:
+        return None
+    return (
+        f"With `gradient_sync='overlap'`, an OOM inside the last micro-batch's backward on one rank cannot be retried,"
+        f" and NCCL may leave the other ranks waiting in its all-reduce until the process group's timeout"
+        f" ({timeout}). Bound the wait with e.g. `DDPStrategy(timeout=timedelta(minutes=5))` (or"
+        f" `ModelParallelStrategy(timeout=...)`), above the slowest collective of your run, or use"
+        f" `gradient_sync='deferred'` under DDP, which retries an OOM anywhere in the step."
     )

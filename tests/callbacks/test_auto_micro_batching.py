@@ -622,3 +622,30 @@ def test_a_model_without_batch_norm_gets_no_such_warning(tmp_path):
             SplitTokenModel(), DataLoader(TokenDataset(16), batch_size=8)
         )
     assert not [w for w in record if "batch-norm" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("gradient_sync", "world_size", "backend", "minutes", "warns"),
+    [
+        ("overlap", 8, "nccl", 30, True),  # Lightning's default timeout: the others could wait half an hour
+        ("overlap", 8, "nccl", 5, False),  # bounded by the user
+        ("overlap", 8, "gloo", 30, False),  # gloo notices the closed connection at once
+        ("deferred", 8, "nccl", 30, False),  # an OOM anywhere is retried: nobody waits
+        ("overlap", 1, "nccl", 30, False),
+    ],
+)
+def test_overlap_under_nccl_with_a_long_timeout_is_warned_about(gradient_sync, world_size, backend, minutes, warns):
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_accum import _compat
+    from lightning_accum.callbacks.auto_micro_batching import overlap_wait_warning
+
+    timeout = _compat.process_group_timeout(DDPStrategy(timeout=timedelta(minutes=minutes)))
+    assert timeout == timedelta(minutes=minutes)
+    warning = overlap_wait_warning(gradient_sync, world_size, backend, timeout)
+    assert (warning is not None) == warns
+    if warns:
+        assert "(0:30:00)" in warning and "DDPStrategy(timeout=timedelta(minutes=5))" in warning
+        assert "gradient_sync='deferred'" in warning
