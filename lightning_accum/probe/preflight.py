@@ -118,7 +118,7 @@ def preflight(
 ) -> Preflight:
     """Trace a split-mode step at two micro-batch sizes on fake tensors, and fit ``peak(b)`` on the two peaks.
 
-    Each traced step runs two micro-batches of the given size (the first two chunks of the step batch), as an
+    Each traced step runs two micro-batches of the given size (the first two micro-batches of the step batch), as an
     accumulating step does, after one warm-up step that creates the optimizer state. The module, its optimizers and
     the batch are copied as fake tensors on the CPU; for a module on CUDA the prediction is for CUDA (see
     `lightning_accum.memory.fake.FakeTarget`). Nothing real is touched: not the weights, the optimizer state,
@@ -127,7 +127,7 @@ def preflight(
     Args:
         module: the LightningModule (on its device, as training will run it).
         step_batch: one per-device step batch, as the dataloader yields it.
-        micro_batch_sizes: two different sizes, each at most half the step batch so that both chunks are full.
+        micro_batch_sizes: two different sizes, each at most half the step batch so that both micro-batches are full.
         optimizers: the optimizers to copy (e.g. ``trainer.optimizers``); ``None`` calls
             ``module.configure_optimizers()`` on the copy.
         precision: the Trainer's precision (``trainer.precision``).
