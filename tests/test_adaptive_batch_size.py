@@ -155,3 +155,19 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         AdaptiveBatchSize(**kwargs)
+
+
+def test_the_monitor_logs_the_noise_scale_the_schedule_acts_on(tmp_path):
+    # The monitor's own average (beta 0.5 here) would differ from the schedule's (0.8): it logs the schedule's.
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_accum import AccumulationMonitor, keys
+
+    schedule = adaptive()
+    monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_beta=0.5)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(schedule), monitor], logger=logger, max_epochs=1)
+    trainer.fit(RegressionModel(lr=0.2), DataLoader(IndexedDataset(128), batch_size=4))
+    logged = trainer.callback_metrics[keys.GRADIENT_NOISE_SCALE].item()
+    assert logged == pytest.approx(schedule.estimator.value().gradient_noise_scale, rel=1e-6)
+    assert monitor.noise_scale.value().windows == 0  # it kept no second average

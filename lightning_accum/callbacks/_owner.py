@@ -21,7 +21,7 @@ from lightning_accum import _compat
 from lightning_accum._validation import check_int
 from lightning_accum.distributed import sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
-from lightning_accum.noise_scale import unbiased_estimates
+from lightning_accum.noise_scale import NoiseScaleEstimator, unbiased_estimates
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -96,6 +96,13 @@ class AccumulationOwner(Callback):
     # ----------------------------------------------------------------------------------------------------------
     # the gradient noise scale: two batch sizes per window, at the cost of two norms (see `noise_scale`)
     # ----------------------------------------------------------------------------------------------------------
+    def noise_scale_in_use(self) -> NoiseScaleEstimator | None:
+        """The noise-scale average that decides ``k``, where a schedule follows it (`AdaptiveBatchSize`), else None.
+
+        `lightning_accum.AccumulationMonitor` logs this one, so the chart shows what the schedule acted on.
+        """
+        return None
+
     def measure_noise_scale(self, every: int = 1) -> None:
         """Estimate the gradient noise scale in every ``every``-th window and put it in the step reports.
 

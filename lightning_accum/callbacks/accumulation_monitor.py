@@ -83,7 +83,9 @@ class AccumulationMonitor(Callback):
     With ``gradient_noise_scale=True`` it also logs ``accum/gradient_noise_scale`` (``B_simple = tr(Σ)/|G|²`` in
     items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``) and ``accum/grad_trace_cov`` (``tr(Σ)``):
     unbiased estimates from each window's first micro-batch and whole window, smoothed by a bias-corrected moving
-    average over windows (``noise_scale_beta``). It needs windows of at least two micro-batches.
+    average over windows (``noise_scale_beta``). It needs windows of at least two micro-batches. Where the schedule
+    follows the noise scale (`lightning_accum.schedules.AdaptiveBatchSize`), the schedule's own average is logged
+    instead: the one that decides ``k``.
 
     Args:
         logging_interval: log every this many optimizer steps; ``None`` (the default) follows
@@ -166,6 +168,7 @@ class AccumulationMonitor(Callback):
         self._interval_start = time.perf_counter()
         self._excluded_seconds = 0.0
         self._validation_start: float | None = None
+        self._noise_in_use: NoiseScaleEstimator | None = None  # a schedule's average that decides k, if any
 
     # ----------------------------------------------------------------------------------------------------------
     # setup
@@ -182,6 +185,7 @@ class AccumulationMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owner = find_owner(trainer.callbacks)
+        self._noise_in_use = None
         if self.gradient_noise_scale:
             if self._owner is None:
                 raise RuntimeError(
@@ -191,6 +195,8 @@ class AccumulationMonitor(Callback):
                 )
             self._owner.measure_noise_scale(every=self.noise_scale_interval)
             self._windows_since_noise = 0
+            # Where a schedule follows the noise scale, its own average is the one worth seeing: it decides k.
+            self._noise_in_use = self._owner.noise_scale_in_use()
         self._interval.reset()
         self._windows = LightningWindows()
         self._last_report = self._owner.last_step_report if self._owner is not None else None
@@ -279,7 +285,7 @@ class AccumulationMonitor(Callback):
             bar = {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
             _compat.set_progress_bar_metrics(trainer, bar)
         self._windows_since_noise += 1
-        if report.noise is not None:
+        if report.noise is not None and self._noise_in_use is None:
             # A measurement stands for the windows since the last one (an interval, or windows too short to measure).
             self.noise_scale.add_estimates(*report.noise, windows=self._windows_since_noise)
             self._windows_since_noise = 0
@@ -371,7 +377,7 @@ class AccumulationMonitor(Callback):
             _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
 
     def _noise_metrics(self) -> dict[str, float]:
-        estimate = self.noise_scale.value()
+        estimate = (self._noise_in_use or self.noise_scale).value()
         if not self.gradient_noise_scale or estimate.windows == 0:
             return {}
         return {

@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_accum import _compat
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.noise_scale import NoiseScaleEstimator
 from lightning_accum.normalization import ItemCounter, LossReduction, WindowTotals, count_items
 from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.schedules import (
@@ -106,6 +107,11 @@ class AccumulationScheduler(AccumulationOwner):
         self._totals: WindowTotals | None = None
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._trainer: pl.Trainer | None = None
+
+    @override
+    def noise_scale_in_use(self) -> NoiseScaleEstimator | None:
+        estimator = getattr(self._active_schedule, "estimator", None)
+        return estimator if isinstance(estimator, NoiseScaleEstimator) else None
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
