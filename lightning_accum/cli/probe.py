@@ -102,15 +102,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="+",
         help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
     )
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument(
-        "--max-memory",
-        type=memory_size,
-        help="a memory budget, as AutoMicroBatching(max_memory=) takes it: a size such as 8GiB; which micro-batch "
-        "fits it?",
-    )
-    # The older spelling of --max-memory, in GiB; kept so that existing scripts run.
-    budget.add_argument("--budget-gib", type=positive_float, help=argparse.SUPPRESS)
+    _add_budget_arguments(parser)
     parser.add_argument(
         "--device",
         default="cpu",
@@ -129,6 +121,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="write probe.txt, probe.json and probe.png here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout, not the table")
     return parser
+
+
+def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--max-memory",
+        type=memory_size,
+        help="a memory budget, as AutoMicroBatching(max_memory=) takes it: a size such as 8GiB; which micro-batch "
+        "fits it?",
+    )
+    # The older spelling of --max-memory, in GiB; kept so that existing scripts run.
+    budget.add_argument("--budget-gib", type=positive_float, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -248,9 +248,40 @@ def _axes(figure) -> dict[str, object]:
     return {ax.get_title(): ax for ax in figure.get_axes() if ax.get_visible() and ax.get_title()}
 
 
+def _section_names(figure) -> list[str]:
+    # A section's title is its name, then any scalar panel ("Memory   ·   capacity 23.5 GiB").
+    return [subfigure.get_suptitle().split("   ·   ")[0] for subfigure in figure.subfigs]
+
+
+def _marks(ax) -> dict[str, set[float]]:
+    """The event marks on a panel: colour -> the steps of its vertical lines."""
+    from matplotlib.colors import to_hex
+
+    marks: dict[str, set[float]] = {}
+    for line in ax.get_lines():
+        if len(line.get_xdata()) == 2 and len(set(line.get_xdata())) == 1:  # axvline: one x, two points
+            marks.setdefault(to_hex(line.get_color()), set()).add(float(line.get_xdata()[0]))
+    return marks
+
+
+def _mark_steps(ax, event_key: str) -> set[float]:
+    from matplotlib.colors import to_hex
+
+    from lightning_accum.cli.report import _EVENT_STYLE
+
+    return _marks(ax).get(to_hex(_EVENT_STYLE[event_key][0]), set())
+
+
+MARKED_PANELS = ["Effective batch size", "Micro-batch size", "Accumulation steps", "Peak memory", "Peak fraction vs budget"]
+
+
 def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_run):
     axes = _axes(build_figure(split_run))
-    assert "Events" in axes and len(axes) == 15
+    assert set(axes) == {
+        *["Effective batch size", "Micro-batch size", "Accumulation steps", "Items per step", "Window loss"],
+        *["Peak memory", "Peak fraction vs budget", "OOM retries", "Events", "Samples / s", "Items / s"],
+        "Training time",
+    }
     assert {ax.get_xlim() for ax in axes.values()} == {axes["Micro-batch size"].get_xlim()}
     low, high = axes["Events"].get_xlim()
     assert low < 0 and high > 9  # the whole run, steps 0 to 9, not just the steps with an event
@@ -261,12 +292,72 @@ def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_
         assert all(float(t).is_integer() for t in ax.get_xticks())  # no "step 2.5"
 
 
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> Series:
+    """Three optimizer steps: a range of 3 steps, where matplotlib's own ticks would be 0, 0.5, 1, ..."""
+    tmp_path = tmp_path_factory.mktemp("short")
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], logger=csv_logger)
+    trainer.fit(LogsItsLoss(), DataLoader(IndexedDataset(24), batch_size=4))
+    return load_series(csv_logger.log_dir)
+
+
+def test_a_short_run_gets_whole_number_step_ticks(short_run):
+    assert [s for s, _ in short_run[keys.EFFECTIVE_BATCH_SIZE]] == [0, 1, 2]
+    for title, ax in _axes(build_figure(short_run)).items():
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == [0, 1, 2], (title, ticks)
+
+
+def test_panels_of_keys_never_logged_are_left_out(split_run):
+    # No `gradient_noise_scale=True`, and a CPU has no caching allocator: nothing to draw in those panels.
+    assert not any(split_run.get(key) for key in (*keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES))
+    figure = build_figure(split_run)
+    assert _section_names(figure) == ["Batch", "Memory", "Recovery", "Throughput"]
+    assert not {"Noise scale vs items per step", "|G|² and tr(Σ)", "Allocator retries"} & set(_axes(figure))
+    assert not [ax for ax in _axes(figure).values() if "nothing logged" in [t.get_text() for t in ax.texts]]
+
+
+def test_panels_of_logged_keys_are_drawn(split_run):
+    steps = [s for s, _ in split_run[keys.ITEMS_PER_STEP]]
+    logged = {
+        **split_run,
+        keys.GRADIENT_NOISE_SCALE: [(s, 20.0 + s) for s in steps],
+        keys.GRAD_SQ_NORM: [(s, 1.0) for s in steps],
+        keys.GRAD_TRACE_COV: [(s, 20.0 + s) for s in steps],
+        keys.ALLOC_RETRIES: [(s, float(s > 5)) for s in steps],
+    }
+    figure = build_figure(logged)
+    assert _section_names(figure) == ["Batch", "Noise scale", "Memory", "Recovery", "Throughput"]
+    axes = _axes(figure)
+    assert {"Noise scale vs items per step", "|G|² and tr(Σ)", "Allocator retries"} <= set(axes)
+    drawn = {line.get_label() for line in axes["Noise scale vs items per step"].get_lines()}
+    assert {keys.GRADIENT_NOISE_SCALE, keys.ITEMS_PER_STEP} <= drawn
+
+
 def test_events_are_marked_on_the_batch_and_memory_panels(split_run):
+    # Each mark sits at the first step logged at the new micro-batch size: where the line moves.
+    sizes = dict(split_run[keys.MICRO_BATCH_SIZE])
+    grown = [s for s, _ in split_run[keys.EVENT_GROW]]
+    assert grown and all(sizes[s] > sizes[s - 1] for s in grown)
+    assert sizes[OOM_STEP] < sizes[OOM_STEP - 1]
     axes = _axes(build_figure(split_run))
-    for title in ["Micro-batch size", "Accumulation steps", "Peak memory", "Peak fraction vs budget"]:
-        marks = {line.get_xdata()[0] for line in axes[title].get_lines() if len(set(line.get_xdata())) == 1}
-        assert OOM_STEP in marks, title
-    assert not any(len(set(line.get_xdata())) == 1 for line in axes["Window loss"].get_lines())
+    for title in MARKED_PANELS:
+        assert _mark_steps(axes[title], keys.EVENT_OOM_RECOVERED) == {OOM_STEP}, title
+        assert _mark_steps(axes[title], keys.EVENT_GROW) == set(grown), title
+        assert not _mark_steps(axes[title], keys.EVENT_SHRINK), title
+    for title in ["Window loss", "Items per step", "OOM retries", "Samples / s"]:
+        assert not _marks(axes[title]), title
+
+
+def test_shrink_and_schedule_marks(split_run):
+    # A shrink (peak over the budget) at step 3 and a schedule change at step 5, each in its own colour.
+    logged = {**split_run, keys.EVENT_SHRINK: [(3.0, 8.0)], keys.EVENT_SCHEDULE_CHANGE: [(5.0, 2.0)]}
+    axes = _axes(build_figure(logged))
+    for title in MARKED_PANELS:
+        assert _mark_steps(axes[title], keys.EVENT_SHRINK) == {3.0}, title
+        assert _mark_steps(axes[title], keys.EVENT_SCHEDULE_CHANGE) == {5.0}, title
+    assert len(_marks(axes["Micro-batch size"])) == 4  # OOM, grow, shrink and schedule: four colours
 
 
 def test_the_users_loss_is_drawn_next_to_the_window_loss(window_run):
