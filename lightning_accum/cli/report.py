@@ -1,7 +1,8 @@
 """``lightning-accum report RUN``: the dashboard's panels as one PNG, from a W&B offline run or a CSVLogger file.
 
 The panels are `lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
-a run looks the same with or without W&B.
+a run looks the same with or without W&B; the report leaves out the optional ones (noise scale, allocator retries)
+that a run never logged.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ _EVENT_STYLE: dict[str, tuple[str, str]] = {
     keys.EVENT_SCHEDULE_CHANGE: ("tab:purple", "k changed"),
 }
 _OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named, not drawn
+_PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of ten above (a diverged loss)
+# Keys that only some runs log: a panel that draws one of them is left out where none of them was logged, and a
+# section with no panel left goes too. The noise scale needs AccumulationMonitor(gradient_noise_scale=True), and the
+# allocator's retries a CUDA or XPU device; the other panels are drawn even when blank, so a missing figure shows.
+_OPTIONAL_KEYS = frozenset({*keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 
@@ -245,22 +251,23 @@ def summary_path(output: str | Path) -> Path:
 def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> Figure:
     """The report as a matplotlib ``Figure``: one row of panels per section of ``layout``, three to a row.
 
-    Every panel spans the same steps; sizes and counts get whole-number ticks; events are marked on the panels
-    that ask for them; a scalar panel (the capacity) is written into its section's title; the user's own training
-    loss is drawn next to the window loss.
+    Every panel spans the same steps; steps, sizes and counts get whole-number ticks; events are marked on the
+    panels that ask for them; a scalar panel (the capacity) is written into its section's title; the user's own
+    training loss is drawn next to the window loss. A panel of keys that only some runs log (the noise scale, the
+    allocator's retries) is left out when none of them was logged, and so is a section left without panels.
     """
     # The object API with an Agg canvas: no pyplot, so no global backend is chosen for the caller's process.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    sections = [(section, [p for p in section.panels if p.style != "scalar"]) for section in layout]
+    sections = _sections_to_draw(series, layout)
     rows_per_section = [max(1, math.ceil(len(panels) / _COLUMNS)) for _, panels in sections]
     figure = Figure(figsize=(5.0 * _COLUMNS, 3.1 * sum(rows_per_section) + 0.8), layout="constrained")
     FigureCanvasAgg(figure)
     if title:
         figure.suptitle(title, fontsize=13, fontweight="bold")
     context = _Context(series, x_range=_x_range(series, layout), events=_event_steps(series))
-    subfigures = figure.subfigures(len(layout), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
+    subfigures = figure.subfigures(len(sections), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
     for (section, panels), subfigure, n_rows in zip(sections, subfigures, rows_per_section, strict=True):
         subfigure.suptitle(_section_title(section, series), fontsize=12, fontweight="bold", x=0.01, ha="left")
         axes = subfigure.subplots(n_rows, _COLUMNS, squeeze=False).ravel()
@@ -268,11 +275,23 @@ def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpe
             _draw_panel(ax, panel, context)
         for ax in axes[len(panels) :]:
             ax.set_visible(False)
-    _event_legend(figure, context.events)
+    # In the first section's title row, not the figure's: a long figure title would run under it.
+    _event_legend(subfigures[0], context.events)
     return figure
 
 
-def _event_legend(figure: Any, events: Mapping[str, list[float]]) -> None:
+def _sections_to_draw(series: Series, layout: Sequence[SectionSpec]) -> list[tuple[SectionSpec, list[PanelSpec]]]:
+    # Each section with the panels it draws (scalar panels go into its title), less those of optional keys never
+    # logged; a section left without panels is left out.
+    def logged(panel: PanelSpec) -> bool:
+        optional = [key for key in panel.keys if key in _OPTIONAL_KEYS]
+        return not optional or any(series.get(key) for key in optional)
+
+    sections = [(s, [p for p in s.panels if p.style != "scalar" and logged(p)]) for s in layout]
+    return [(section, panels) for section, panels in sections if panels]
+
+
+def _event_legend(subfigure: Any, events: Mapping[str, list[float]]) -> None:
     # What the dotted lines on the batch and memory panels mean, once for the whole figure.
     from matplotlib.lines import Line2D
 
@@ -280,7 +299,7 @@ def _event_legend(figure: Any, events: Mapping[str, list[float]]) -> None:
         return
     handles = [Line2D([], [], color=_EVENT_STYLE[key][0], linestyle=":", linewidth=1.5) for key in events]
     labels = [_EVENT_STYLE[key][1] for key in events]
-    figure.legend(handles, labels, loc="outside upper right", ncols=len(handles), fontsize=8, frameon=False)
+    subfigure.legend(handles, labels, loc="outside upper right", ncols=len(handles), fontsize=8, frameon=False)
 
 
 @dataclass(frozen=True)
@@ -337,14 +356,16 @@ def _draw_panel(ax: Any, panel: PanelSpec, context: _Context) -> None:
         ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     if panel.mark_events:
         _mark_events(ax, context.events)
-    if ax.get_legend_handles_labels()[0] and (len(panel.keys) > 1 or extra):
+    # A legend only where it tells lines (or kinds of event) apart: one line is named by the panel's title.
+    if len(ax.get_legend_handles_labels()[0]) > 1 or (panel.style == "points" and values):
         ax.legend(fontsize=7, loc="best")
     _set_y_range(ax, panel, values)
     ax.set_xlim(*context.x_range)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.integer:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    large = any(abs(v) >= _PLAIN_BELOW for v in values)
+    ax.ticklabel_format(axis="y", useOffset=False, style="sci" if large else "plain")
 
 
 def _draw_key(ax: Any, panel: PanelSpec, key: str, context: _Context) -> list[float]:
@@ -402,6 +423,8 @@ def _set_y_range(ax: Any, panel: PanelSpec, values: list[float]) -> None:
         # Headroom above the largest value drawn, so a flat series does not sit on the frame; 1 when all are 0.
         largest = max(values)
         high = largest * 1.1 if largest > (low or 0) else (low or 0) + 1
+    if low is not None and high is not None:
+        low -= 0.02 * (high - low)  # a line at the floor (no OOMs: 0 throughout) would hide under the frame
     ax.set_ylim(low, high)
 
 

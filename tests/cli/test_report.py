@@ -56,7 +56,7 @@ def test_report_from_an_offline_wandb_run(logged_run, tmp_path, capsys):
     summary = output.with_suffix(".txt")
     assert capsys.readouterr().out.splitlines()[-2:] == [f"wrote {output}", f"wrote {summary}"]
     data = output.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 50_000  # 11 drawn panels, not an empty canvas
+    assert data.startswith(PNG_MAGIC) and len(data) > 50_000  # 12 drawn panels, not an empty canvas
 
 
 def test_report_from_a_csv_logger_file(logged_run, tmp_path):
@@ -272,7 +272,13 @@ def _mark_steps(ax, event_key: str) -> set[float]:
     return _marks(ax).get(to_hex(_EVENT_STYLE[event_key][0]), set())
 
 
-MARKED_PANELS = ["Effective batch size", "Micro-batch size", "Accumulation steps", "Peak memory", "Peak fraction vs budget"]
+MARKED_PANELS = [
+    "Effective batch size",
+    "Micro-batch size",
+    "Accumulation steps",
+    "Peak memory",
+    "Peak fraction vs budget",
+]
 
 
 def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_run):
@@ -358,6 +364,28 @@ def test_shrink_and_schedule_marks(split_run):
         assert _mark_steps(axes[title], keys.EVENT_SHRINK) == {3.0}, title
         assert _mark_steps(axes[title], keys.EVENT_SCHEDULE_CHANGE) == {5.0}, title
     assert len(_marks(axes["Micro-batch size"])) == 4  # OOM, grow, shrink and schedule: four colours
+
+
+def test_legends_only_where_lines_need_telling_apart(split_run):
+    axes = _axes(build_figure(split_run))
+    assert axes["Peak memory"].get_legend() is None  # one line (no reserved peak on a CPU): the title names it
+    assert axes["Samples / s"].get_legend() is None
+    assert axes["Peak fraction vs budget"].get_legend() is not None  # the peak and the budget
+    assert axes["Window loss"].get_legend() is not None  # ours and the user's
+    assert axes["Events"].get_legend() is not None
+
+
+def test_a_flat_zero_line_stays_above_the_frame_and_huge_values_get_short_labels(window_run):
+    # Window mode: no OOMs, so 0 throughout. A loss that diverged to 1e18: "1e18" above the axis, not 19 digits.
+    diverged = {**window_run, keys.WINDOW_LOSS: [(s, v * 1e18) for s, v in window_run[keys.WINDOW_LOSS]]}
+    figure = build_figure(diverged)
+    figure.canvas.draw()
+    axes = _axes(figure)
+    assert {v for _, v in window_run[keys.OOM_RETRIES]} == {0}
+    assert axes["OOM retries"].get_ylim()[0] < 0
+    labels = [label.get_text() for label in axes["Window loss"].get_yticklabels()]
+    assert max(len(text) for text in labels) <= 5, labels
+    assert "1e18" in axes["Window loss"].yaxis.get_offset_text().get_text()
 
 
 def test_the_users_loss_is_drawn_next_to_the_window_loss(window_run):
