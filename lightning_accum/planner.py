@@ -17,7 +17,9 @@ How sizes are chosen:
   Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
   measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
   less than proportionally. When a measurement is far off the model (a new phase of training: longer sequences),
-  or an OOM hits a size the model said fits, the model is discarded and rebuilt from fresh measurements.
+  the model is discarded and rebuilt from fresh measurements. An OOM at a size the model said fits halves the size
+  and keeps the model: the next measurement decides (a passing spike or fragmentation leaves it right, and the
+  failed size waits out its cool-down).
 * **Plain halving** (``predictive=False``) halves on every OOM or over-budget step and doubles to grow back, like
   Composer, which never grows back at all.
 * **Hysteresis.** The planner shrinks as soon as the peak exceeds the budget (or the allocator had to retry on two
@@ -247,9 +249,12 @@ class MicroBatchPlanner:
         if self.predictive and budget is not None and self.model.fitted():
             predicted = self.model.predict(size)
             if predicted <= budget:
-                # The model said `size` fits, so it no longer describes this run (longer sequences, fragmentation).
-                self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
-                reason = f"OOM at {size}, predicted {_gib(predicted)} <= budget {_gib(budget)}: model reset, halved"
+                # The model said `size` fits: halve. The model stays: if the run changed (longer sequences), the next
+                # measured peak disagrees with it and starts a new one (`_observe`); if the OOM was fragmentation or
+                # a passing spike, it still knows which sizes fit, and the failed size waits out its cool-down. (A
+                # model thrown away here left one measured size, and with large fixed memory the micro-batch never
+                # grew back.)
+                reason = f"OOM at {size}, predicted {_gib(predicted)} <= budget {_gib(budget)}: halved"
             else:
                 fit = self.model.largest_fitting(budget, size - 1)
                 target = size // 2 if fit is None else fit
