@@ -36,8 +36,8 @@ STEPS = 30
 STEP_BATCH = 32
 WIDTH = 2**20  # hidden units: one sample's activations and their gradients take about 10 MiB
 # The budget, above the resident set at the start. The fixed part (the model, its gradients, Lightning) and 16
-# samples' activations peak under 90% of it (the low watermark), so 16 grows to 32; 32 samples' peak passes it, so
-# 32 shrinks to 16.
+# samples' activations fit it; 32 samples' peak passes it, so 32 shrinks to 16, and the memory model fitted to the
+# two keeps the micro-batch at 16 from then on, except while the OOM's cool-down holds it below.
 HEADROOM = 420 * 2**20
 OOM_STEP = 12
 
@@ -84,13 +84,11 @@ def fit(out: Path, callbacks: list[pl.Callback], batch_size: int, width: int = W
 def splitter(budget: int, oom: OOMFault) -> AutoMicroBatching:
     """Split mode from micro-batches of `STEP_BATCH` under ``budget``, with one injected OOM.
 
-    It halves and doubles (``predictive=False``) rather than jumping to the size its memory model predicts, so that
-    30 steps show a shrink, an OOM and two grows.
+    A short patience and cool-down, so that 30 steps show a shrink, an OOM and growing back twice.
     """
     return AutoMicroBatching(
         STEP_BATCH,
         max_memory=budget,
-        predictive=False,
         low_watermark=0.9,
         grow_patience=3,
         oom_cooldown=10,
