@@ -255,18 +255,7 @@ class WindowNormalizer:
         A window with no items at all (everything masked) has no mean: its gradients are set to ``None`` so that
         the optimizer skips every parameter, and ``factor`` is 0.
         """
-        device = self._items.device if isinstance(self._items, Tensor) else torch.device("cpu")
-        local = torch.stack(
-            [
-                torch.as_tensor(self._items, dtype=torch.float64, device=device),
-                torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
-                torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
-                self._bad_count_flag(device),
-            ]
-        )
-        totals = sum_across_ranks(local) if sum_across_ranks is not None else local
-        # One host read per optimizer step (never per micro-batch): the count decides between scaling and skipping.
-        items, samples, micro_batches, negative_ranks = totals.tolist()
+        items, samples, micro_batches, negative_ranks = self._window_counts(sum_across_ranks)
         if negative_ranks:
             # Raised on every rank at once (the flag was summed), so no rank is left waiting in a collective.
             raise ValueError(
@@ -285,6 +274,27 @@ class WindowNormalizer:
             # Next window's r: the mean items per micro-batch per rank, so weights stay near 1/k.
             self.scale = items / max(1.0, micro_batches)
         return WindowTotals(items=items, samples=int(samples), micro_batches=int(micro_batches), factor=factor)
+
+    def _window_counts(self, sum_across_ranks: Callable[[Tensor], Tensor] | None) -> list[float]:
+        """Items, samples, micro-batches and a bad-count flag of this window, summed over ranks."""
+        counts_are_numbers = not isinstance(self._items, Tensor) and not isinstance(self._min_items, Tensor)
+        if sum_across_ranks is None and counts_are_numbers:
+            # One process counting with Python numbers: nothing to sum or read back (the common single-device case,
+            # where building the tensors below costs more than the rest of the step's bookkeeping).
+            bad = not (self._min_items >= 0 and math.isfinite(self._items))
+            return [float(self._items), float(self._samples), float(self._micro_batches), float(bad)]
+        device = self._items.device if isinstance(self._items, Tensor) else torch.device("cpu")
+        local = torch.stack(
+            [
+                torch.as_tensor(self._items, dtype=torch.float64, device=device),
+                torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
+                torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
+                self._bad_count_flag(device),
+            ]
+        )
+        totals = sum_across_ranks(local) if sum_across_ranks is not None else local
+        # One host read per optimizer step (never per micro-batch): the count decides between scaling and skipping.
+        return totals.tolist()
 
     def _bad_count_flag(self, device: torch.device) -> Tensor:
         # 1.0 when a count of this window was negative, NaN or inf (float counts can be all three); read at the step.

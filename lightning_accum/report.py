@@ -95,12 +95,16 @@ class LossSum:
         self.total: Tensor | float = 0.0
         self.items: Tensor | float = 0
 
-    def add(self, loss: Tensor, n_items: Tensor | float, loss_reduction: str) -> None:
-        """Add one micro-batch's ``loss`` (its mean or sum over ``n_items`` items); an empty one adds nothing."""
-        summed = loss.detach().float() * n_items if loss_reduction == "mean" else loss.detach().float()
+    def add(self, loss: Tensor, n_items: Tensor | float, loss_reduction: str, scale: float = 1.0) -> None:
+        """Add one micro-batch's ``loss`` (its mean or sum over ``n_items`` items); an empty one adds nothing.
+
+        ``scale`` multiplies ``loss`` first (e.g. undoing Lightning's division by ``k``), in the same tensor op.
+        """
+        if not isinstance(n_items, Tensor) and n_items <= 0:
+            return
+        factor = n_items * scale if loss_reduction == "mean" else scale
+        summed = loss.detach().float() * factor  # one op where the count is a number (the common case)
         if isinstance(n_items, Tensor):
             summed = torch.where(n_items > 0, summed, torch.zeros_like(summed))  # no NaN from a mean over nothing
-        elif n_items <= 0:
-            return
         self.total = self.total + summed
         self.items = self.items + n_items

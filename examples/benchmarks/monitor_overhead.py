@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,6 +49,7 @@ class _Clock(pl.Callback):
     def __init__(self) -> None:
         self.samples = 0
         self.seconds = 0.0
+        self.hook_seconds = 0.0  # wall time inside the timed callbacks' hooks (see `_time_hooks`)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
@@ -61,12 +63,47 @@ class _Clock(pl.Callback):
         self.seconds = time.perf_counter() - self._start
 
 
+def time_methods(obj: Any, names: list[str], add_seconds: Callable[[float], None]) -> None:
+    """Patch the methods ``names`` of ``obj`` (this instance only) to pass the wall time each call took on."""
+    for name in names:
+        original = getattr(obj, name)
+
+        def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                add_seconds(time.perf_counter() - start)
+
+        setattr(obj, name, timed)
+
+
+def _time_hooks(callback: pl.Callback, clock: _Clock) -> None:
+    """Add the wall time spent in ``callback``'s own hooks to ``clock.hook_seconds``.
+
+    That time is the callback's cost read inside the run itself, so it is free of the run-to-run noise of a shared
+    machine, where one matrix multiply's time varies by 2x between runs of the same variant.
+    """
+    # The hooks the callback implements itself.
+    hooks = [
+        n for n in dir(pl.Callback) if n.startswith("on_") and getattr(type(callback), n) is not getattr(pl.Callback, n)
+    ]
+
+    def add(seconds: float) -> None:
+        clock.hook_seconds += seconds
+
+    time_methods(callback, hooks, add)
+
+
 VARIANTS = ("plain Lightning", "scheduler", "scheduler + monitor", "scheduler + monitor(logging_interval=1)")
 # A Trainer that writes nothing: no logger, checkpoint, progress bar or model summary.
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
-def _samples_per_sec(variant: str, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str) -> float:
+def _samples_per_sec(
+    variant: str, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str
+) -> tuple[float, float]:
+    """Samples per second, and the share of the run's wall time spent inside lightning_accum's callback hooks."""
     clock = _Clock()
     callbacks: list[pl.Callback] = [clock]
     if variant != "plain Lightning":
@@ -75,6 +112,9 @@ def _samples_per_sec(variant: str, dim: int, hidden: int, n: int, batch_size: in
         callbacks.append(AccumulationMonitor())  # the default: follows Trainer(log_every_n_steps)
     elif variant == "scheduler + monitor(logging_interval=1)":
         callbacks.append(AccumulationMonitor(logging_interval=1))
+    for callback in callbacks:
+        if callback is not clock:
+            _time_hooks(callback, clock)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, dim, generator=g), torch.randn(n, 1, generator=g))
     trainer = pl.Trainer(
@@ -88,7 +128,7 @@ def _samples_per_sec(variant: str, dim: int, hidden: int, n: int, batch_size: in
         **QUIET,
     )
     trainer.fit(_Model(dim, hidden), DataLoader(data, batch_size=batch_size))
-    return clock.samples / clock.seconds
+    return clock.samples / clock.seconds, clock.hook_seconds / clock.seconds
 
 
 def main() -> None:
@@ -108,19 +148,25 @@ def main() -> None:
         if args.only and args.only not in name:
             continue
         runs: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        shares: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         for repeat in range(args.repeats):
             # Interleaved, so drift in machine load hits every variant alike, and rotated, so no variant always
             # runs first (warm caches and clocks favoured whichever ran first).
             shift = repeat % len(VARIANTS)
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                runs[variant].append(_samples_per_sec(variant, root=args.root, **case))
+                rate, share = _samples_per_sec(variant, root=args.root, **case)
+                runs[variant].append(rate)
+                shares[variant].append(share)
         base = statistics.median(runs["plain Lightning"])
         print(f"{name}: plain Lightning {base:,.0f} samples/s (median of {args.repeats})")
         for variant in VARIANTS[1:]:
             paired = [m / b for m, b in zip(runs[variant], runs["plain Lightning"], strict=True)]
+            share = statistics.median(shares[variant])
             print(
                 f"    {variant}: {statistics.median(runs[variant]):,.0f} samples/s, ratio to plain"
-                f" {statistics.median(paired):.3f} (median of paired ratios {[round(r, 3) for r in paired]})"
+                f" {statistics.median(paired):.3f} (median of paired ratios {[round(r, 3) for r in paired]});"
+                f" inside lightning_accum's hooks {share:.2%} of the wall time (median), a ratio of about"
+                f" {1 - share:.3f} if nothing else differed"
             )
 
 

@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.benchmarks.monitor_overhead import QUIET, _Clock, _Model
+from examples.benchmarks.monitor_overhead import QUIET, _Clock, _Model, time_methods
 from examples.char_lm.data import CharLMDataModule
 from examples.char_lm.model import CharLM
 from lightning_accum import AccumulationMonitor, AccumulationScheduler
@@ -90,17 +90,11 @@ def _time_noise_hooks(scheduler: AccumulationScheduler, clock: _Clocks) -> None:
     the pair into estimates. Without ``gradient_noise_scale`` both return at once, so their time is the overhead, read
     inside the run itself and therefore free of the run-to-run noise of a shared machine.
     """
-    for name in ("on_after_backward", "_measure_noise"):
-        original = getattr(scheduler, name)
 
-        def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                clock.noise_seconds += time.perf_counter() - start
+    def add(seconds: float) -> None:
+        clock.noise_seconds += seconds
 
-        setattr(scheduler, name, timed)
+    time_methods(scheduler, ["on_after_backward", "_measure_noise"], add)
 
 
 def _trainer(variant: str, k: int, clock: _Clocks, root: str, count_items: Any = None) -> pl.Trainer:

@@ -299,7 +299,7 @@ class AccumulationScheduler(AccumulationOwner):
         if isinstance(loss, Tensor):  # None: `training_step` skipped this micro-batch
             # Lightning hands on the loss divided by k; the window loss wants the user's own value.
             self._window_loss.add(
-                loss.detach() * _compat.lightning_loss_divisor(trainer), self._pending_counts[0], self.loss_reduction
+                loss, self._pending_counts[0], self.loss_reduction, scale=_compat.lightning_loss_divisor(trainer)
             )
         if not self._stepped or self._totals is None:
             return
