@@ -34,16 +34,29 @@ def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
 
 
 def all_reduce_gradients(
-    parameters: list[Tensor], process_group: Any = None, bucket_bytes: int = 25 * 1024 * 1024
+    parameters: list[Tensor],
+    process_group: Any = None,
+    used: list[bool] | None = None,
+    bucket_bytes: int = 25 * 1024 * 1024,
 ) -> int:
     """Sum the ``.grad`` of ``parameters`` over all ranks in flattened buckets; returns the number of collectives.
 
-    Every rank must pass the same parameters in the same order. A parameter without a gradient on this rank gets a
-    zero gradient first, because another rank may hold one for it.
+    Every rank must pass the same parameters in the same order, and the same ``used``: for each parameter, whether
+    any rank produced a gradient for it (agreed beforehand). As in DDP, a parameter that no rank used keeps
+    ``grad=None``, so that the optimizer leaves it alone (weight decay included), and one that only other ranks used
+    gets a zero gradient from this one. ``None`` means every parameter was used somewhere.
+
+    Raises:
+        ValueError: ``used`` does not hold one flag per parameter.
     """
     import torch
     import torch.distributed as dist
 
+    if used is None:
+        used = [True] * len(parameters)
+    if len(used) != len(parameters):
+        raise ValueError(f"`used` holds {len(used)} flags for {len(parameters)} parameters; pass one per parameter.")
+    parameters = [p for p, anywhere in zip(parameters, used, strict=True) if anywhere]
     for p in parameters:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -14,7 +14,10 @@ optimizer step:
    ``r * world_size / N``; the ``world_size`` undoes DDP's mean.
 
 ``r`` is only a scale that keeps gradient magnitudes near those of a plain mean loss (it matters for fp16 loss
-scaling). It must be the same on every rank, so it is derived from the previous window's *global* count.
+scaling). It must be the same on every rank, so it is derived from the previous window's *global* count: in window
+mode, where every rank runs the same ``k``, the divisor is ``r · k`` with ``r`` the previous window's items per
+micro-batch per rank; in split mode, where ranks with different step batches run different numbers of micro-batches,
+``k`` is not shared, and the divisor is the previous window's items per rank (1 in a run's first window).
 
 This module needs no Trainer; `WindowNormalizer` is shared by window mode, split mode and the manual helper.
 """
@@ -189,7 +192,8 @@ class WindowNormalizer:
         self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
         # Reference scale r; see the module docstring. Derived from global counts only, so equal on all ranks.
         self.scale = 1.0
-        self._accumulation_steps = 1
+        self.items_per_rank: float | None = None  # the previous window's global items / ranks (split mode's divisor)
+        self._accumulation_steps: int | None = 1
         self._items: Tensor | float = 0
         self._min_items: Tensor | float = 0
         self._samples = 0
@@ -202,9 +206,15 @@ class WindowNormalizer:
         """Micro-batches added to the current window on this rank."""
         return self._micro_batches
 
-    def start_window(self, accumulation_steps: int) -> None:
-        """Forget the previous window. ``accumulation_steps`` is the planned window length (it only sets ``r``)."""
-        self._accumulation_steps = max(1, accumulation_steps)
+    def start_window(self, accumulation_steps: int | None) -> None:
+        """Forget the previous window.
+
+        Args:
+            accumulation_steps: the planned window length ``k``, the same on every rank (window mode); it only sets
+                the divisor. ``None`` when ranks may run different numbers of micro-batches (split mode): the
+                divisor is then the previous window's items per rank, which every rank knows alike.
+        """
+        self._accumulation_steps = None if accumulation_steps is None else max(1, accumulation_steps)
         self._items = 0
         self._min_items = 0
         self._samples = 0
@@ -214,7 +224,12 @@ class WindowNormalizer:
 
     @property
     def divisor(self) -> float:
-        """``r · k``: a micro-batch's gradient buffer holds ``n_i / (r · k)`` times its mean-loss gradient."""
+        """``D``: a micro-batch's gradient buffer holds ``n_i / D`` times its mean-loss gradient, on every rank alike.
+
+        ``r · k`` in window mode; the previous window's items per rank (1 before any) when ``k`` is not shared.
+        """
+        if self._accumulation_steps is None:
+            return self.items_per_rank or 1.0
         return self.scale * self._accumulation_steps
 
     def add_micro_batch(self, n_items: float | Tensor, n_samples: int) -> float | Tensor:
@@ -232,7 +247,7 @@ class WindowNormalizer:
         self._items = self._items + n_items
         self._samples += n_samples
         self._micro_batches += 1
-        divisor = self.scale * self._accumulation_steps
+        divisor = self.divisor
         if self.loss_reduction == "sum":
             return 1.0 / divisor
         if isinstance(n_items, Tensor):
@@ -244,13 +259,16 @@ class WindowNormalizer:
         parameters: Iterable[Tensor],
         sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
         world_size: int = 1,
+        ranks: int | None = None,
     ) -> WindowTotals:
         """Rescale the accumulated gradients of ``parameters`` to the exact window mean.
 
         Args:
             parameters: the parameters whose ``.grad`` holds ``sum_i w_i * grad(L_i)`` (after DDP's mean, if any).
             sum_across_ranks: sums a small tensor over all ranks; ``None`` on a single process.
-            world_size: the number of ranks whose gradients DDP averaged.
+            world_size: the number of ranks whose gradients DDP averaged (1 when they were summed instead).
+            ranks: the number of ranks that took part in the window (default ``world_size``); sets the next
+                divisor where ``k`` is not shared.
 
         A window with no items at all (everything masked) has no mean: its gradients are set to ``None`` so that
         the optimizer skips every parameter, and ``factor`` is 0.
@@ -268,11 +286,12 @@ class WindowNormalizer:
                 p.grad = None
             factor = 0.0
         else:
-            factor = self.scale * self._accumulation_steps * world_size / items
+            factor = self.divisor * world_size / items
             if factor != 1.0:
                 torch._foreach_mul_([p.grad for p in params], factor)  # type: ignore[misc]
-            # Next window's r: the mean items per micro-batch per rank, so weights stay near 1/k.
+            # Next window's divisor, from global counts only: weights stay near 1/k, and equal on every rank.
             self.scale = items / max(1.0, micro_batches)
+            self.items_per_rank = items / (ranks or world_size)
         return WindowTotals(items=items, samples=int(samples), micro_batches=int(micro_batches), factor=factor)
 
     def _window_counts(self, sum_across_ranks: Callable[[Tensor], Tensor] | None) -> list[float]:
@@ -303,7 +322,9 @@ class WindowNormalizer:
         return (~(smallest >= 0) | ~torch.isfinite(total)).to(torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale}
+        return {"scale": self.scale, "items_per_rank": self.items_per_rank}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scale = float(state.get("scale", 1.0))
+        items_per_rank = state.get("items_per_rank")
+        self.items_per_rank = None if items_per_rank is None else float(items_per_rank)

@@ -220,6 +220,19 @@ class MicroBatchPlanner:
         if self._limit is None:
             self._limit = max(self.min_micro_batch_size, size)
 
+    def set_step_batch_size(self, step_batch_size: int) -> None:
+        """The step batch size that the next `on_step` or `on_oom` balances its answer for.
+
+        `size_for` sets it to the step batch it sizes. Ranks whose step batches differ in size (uneven shards, the
+        last batch of an epoch) set it to the largest over ranks before each decision, so that every rank's planner
+        decides alike and stays alike.
+
+        Raises:
+            TypeError: if ``step_batch_size`` is not an int.
+            ValueError: if ``step_batch_size < 1``.
+        """
+        self._step_batch_size = check_int(step_batch_size, "step_batch_size", 1)
+
     def cooling_down_from(self, step: int) -> int | None:
         """The smallest size that failed recently: it and every larger size are off limits at ``step``."""
         for size in [s for s, until in self._failed.items() if until <= step]:

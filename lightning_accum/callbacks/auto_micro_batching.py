@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +23,7 @@ from lightning_accum._validation import check_bool, check_choice
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
-from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory
+from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import (
     OOMInjector,
     describe_error,
@@ -192,7 +192,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._step_batch_size = 0
         self._window_loss = LossSum()
         self._totals: WindowTotals | None = None
-        self._agreed = False  # overlap mode: this attempt's agreement happened, before the synced backward
+        self._agreed: _Agreed | None = None  # overlap mode: this attempt's agreement, before the synced backward
         self._cold = False  # the first step of a run that has not chosen a size yet
         self._fsdp2 = False  # `ModelParallelStrategy` with `fully_shard`: FSDP2 reduce-scatters the last backward
 
@@ -274,6 +274,9 @@ class AutoMicroBatching(AccumulationOwner):
         self._backend = backend_for(trainer.strategy.root_device)
         capacity = self._backend.capacity_bytes()
         budget = budget_bytes(self.max_memory, capacity)
+        warning = over_capacity_warning(self._max_memory_given, budget, capacity, self._backend.name)
+        if warning:
+            rank_zero_warn(warning)
         self.planner.budget_bytes = budget
         self._logs = StepLogCombiner(pl_module)
         self._capacity_bytes = capacity
@@ -434,26 +437,26 @@ class AutoMicroBatching(AccumulationOwner):
         with unsharded:
             while True:
                 outcome, agreed, detail = self._agreed_attempt(trainer, context)
-                if agreed == _NO_FAULT:
+                if agreed.fault == _NO_FAULT:
                     break
-                self._recover_from_oom(trainer, context, detail)
+                self._recover_from_oom(trainer, context, detail, agreed)
         loss, extra = outcome
-        if self.gradient_sync == "deferred" and trainer.world_size > 1:
-            params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
-            self.gradient_allreduces += all_reduce_gradients(params, _compat.ddp_process_group(trainer.strategy))
+        if self._defers_sync(trainer):
+            group = _compat.ddp_process_group(trainer.strategy)
+            self.gradient_allreduces += all_reduce_gradients(self._gradient_params(trainer), group, agreed.used)
             self._grads_summed = True
         with _compat.hook_context(trainer.lightning_module, "training_step"):  # where the user called `self.log`
             self._logs.replay(batch_size=self._step_batch_size)
         return context.make_result(loss, extra)
 
-    def _agreed_attempt(self, trainer: pl.Trainer, context: _compat.SplitStepContext) -> tuple[Any, int, str]:
-        """One attempt at the step, and the worst outcome over all ranks: ``(outcome, agreed fault, OOM detail)``.
+    def _agreed_attempt(self, trainer: pl.Trainer, context: _compat.SplitStepContext) -> tuple[Any, _Agreed, str]:
+        """One attempt at the step, and what all ranks agreed on: ``(outcome, agreement, OOM detail)``.
 
         An error that is not an OOM is re-raised on this rank after the agreement, and becomes an error on the others.
         """
         fault, detail, outcome = _NO_FAULT, "", None
-        agreed: int | None = None
-        self._agreed = False
+        agreed: _Agreed | None = None
+        self._agreed = None
         try:
             # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
             with _compat.hook_context(trainer.lightning_module):
@@ -466,28 +469,34 @@ class AutoMicroBatching(AccumulationOwner):
         except _AgreementFailed:
             raise  # the ranks can no longer talk: another collective would fail too, or wait for the timeout
         except Exception as err:  # classified below
-            if self._agreed:
+            if self._agreed is not None:
                 raise  # inside the synced backward: the other ranks are in DDP's all-reduce, not in an agreement
             if not is_oom_error(err):
-                self._agree_on_fault(trainer, _OTHER_ERROR)
+                self._agree(trainer, _OTHER_ERROR)
                 raise
             fault, detail = _OOM, describe_error(err)
         if agreed is None:
-            agreed = _NO_FAULT if self._agreed else self._agree_on_fault(trainer, fault)
-        if agreed == _OTHER_ERROR:
+            agreed = self._agreed if self._agreed is not None else self._agree(trainer, fault)
+        if agreed.fault == _OTHER_ERROR:
             raise RuntimeError(
                 "Another rank failed with an error that is not an out-of-memory error; this rank stops too."
                 " See that rank's traceback."
             )
         return outcome, agreed, detail or "on another rank"
 
-    def _recover_from_oom(self, trainer: pl.Trainer, context: _compat.SplitStepContext, detail: str) -> None:
-        """Shrink (on every rank alike) and make the retry start from a clean slate."""
+    def _recover_from_oom(
+        self, trainer: pl.Trainer, context: _compat.SplitStepContext, detail: str, agreed: _Agreed
+    ) -> None:
+        """Shrink (on every rank alike) and make the retry start from a clean slate.
+
+        The planner is told the largest micro-batch and step batch of any rank: ranks whose step batches differ run
+        different sizes, and planners told their own would shrink differently (4 -> 2 here, 3 -> 1 there).
+        """
         assert self._backend is not None
-        before = self._size
-        self.planner.on_oom(self._size, trainer.global_step)  # raises at the minimum size, on every rank
+        self.planner.set_step_batch_size(agreed.step_batch_size)
+        self.planner.on_oom(agreed.micro_batch_size, trainer.global_step)  # raises at the minimum size, on every rank
         self.oom_retries += 1
-        log_info(f"lightning_accum: OOM at micro-batch size {before} ({detail}); retrying the step")
+        log_info(f"lightning_accum: OOM at micro-batch size {agreed.micro_batch_size} ({detail}); retrying the step")
         self._take_planner_events(trainer)
         # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
         # blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the smaller size,
@@ -512,7 +521,9 @@ class AutoMicroBatching(AccumulationOwner):
         counter = self.count_items
         counts = [micro.size if counter is None else count_items(micro.batch, counter) for micro in micro_batches]
         empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
-        self.normalizer.start_window(len(micro_batches))
+        # Ranks whose step batches differ run different numbers of micro-batches: no `k` is shared, so the weights
+        # come from a divisor every rank knows alike (the previous step's items per rank).
+        self.normalizer.start_window(None)
         window_loss = LossSum()
         extra: dict[str, Any] = {}
         rank, step = trainer.global_rank, trainer.global_step
@@ -564,10 +575,10 @@ class AutoMicroBatching(AccumulationOwner):
                 " which `AutoMicroBatching` cannot back-propagate under FSDP2 (its loss is a mean over nothing)."
                 " Make every step batch hold items in its last samples, or use a `count_items` that counts samples."
             )
-        agreed = self._agree_on_fault(trainer, _NO_FAULT)
-        if agreed != _NO_FAULT:
+        agreed = self._agree(trainer, _NO_FAULT)
+        if agreed.fault != _NO_FAULT:
             raise _PeerFault(agreed)
-        self._agreed = True  # from here on, a fault on one rank cannot be retried: the others are in the all-reduce
+        self._agreed = agreed  # from here on, a fault on one rank cannot be retried: the others are in the all-reduce
         if context.backward is None:
             return  # Lightning skips the backward on every rank alike; DDP's reducer must then stay unprepared
         if empty:
@@ -601,19 +612,36 @@ class AutoMicroBatching(AccumulationOwner):
                 " this is how the failure reaches this rank: see that rank's traceback."
             ) from err
 
-    def _agree_on_fault(self, trainer: pl.Trainer, fault: int) -> int:
-        """The worst fault over all ranks (one small all-reduce; every rank calls it once per attempt)."""
+    def _agree(self, trainer: pl.Trainer, fault: int) -> _Agreed:
+        """The worst fault and the largest micro-batch size over all ranks (one small all-reduce per attempt).
+
+        Under the deferred sync (whose agreement ends the attempt, after every backward) it also carries, per
+        parameter, whether this rank produced a gradient: the gradient all-reduce then leaves a parameter that no rank
+        used without a gradient, as DDP does. Every call at the same point of the protocol sends as many values on
+        every rank, whatever the fault.
+        """
+        flags = self._gradient_params(trainer) if self._defers_sync(trainer) else []
+        local = [fault, self._size, self._step_batch_size, *(int(p.grad is not None) for p in flags)]
         if trainer.world_size <= 1:
-            return fault
-        flags = torch.tensor([fault], dtype=torch.int64, device=trainer.strategy.root_device)
+            return _Agreed(fault, self._size, self._step_batch_size, None)
+        tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         try:
-            return int(max_across_ranks(trainer, flags).item())
+            values = [int(v) for v in max_across_ranks(trainer, tensor).tolist()]
         except Exception as err:
             raise _AgreementFailed(
                 f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
                 f" {self._size}) failed: {describe_error(err)}. Another rank most likely stopped (its process exited"
                 " or crashed) while this one waited for it; that rank's traceback says why."
             ) from err
+        return _Agreed(values[0], values[1], values[2], [bool(v) for v in values[3:]] if flags else None)
+
+    def _defers_sync(self, trainer: pl.Trainer) -> bool:
+        """Whether this run sums the gradients itself after the last backward (the same answer on every rank)."""
+        return self.gradient_sync == "deferred" and trainer.world_size > 1
+
+    @staticmethod
+    def _gradient_params(trainer: pl.Trainer) -> list[Tensor]:
+        return [p for p in trainer.lightning_module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def _sync_blocked(self, trainer: pl.Trainer, blocked: bool) -> Iterator[None]:
@@ -634,7 +662,9 @@ class AutoMicroBatching(AccumulationOwner):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # Deferred sync summed the buffers over ranks; DDP's own sync averaged them.
         world_size = 1 if self._grads_summed else trainer.world_size
-        self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), world_size)
+        self._totals = self.normalizer.finish_window(
+            params, sum_across_ranks_fn(trainer), world_size, ranks=trainer.world_size
+        )
         self._measure_noise(trainer, params, self._totals)
         self._grads_summed = False
         self.consumed_samples += self._totals.samples
@@ -644,31 +674,31 @@ class AutoMicroBatching(AccumulationOwner):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._backend is not None
-        local = torch.tensor(
-            [self._backend.peak_bytes(), self._backend.alloc_retries() - self._retries_at_start], dtype=torch.int64
-        )
-        peak, retries = (int(v) for v in max_across_ranks(trainer, local).tolist())
-        planned = self.planner.on_step(
-            self._size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries
-        )
-        self._size_shrunk = planned < self._size
-        self._warn_if_budget_unreachable(peak)
+        retries = self._backend.alloc_retries() - self._retries_at_start
+        local = [self._backend.peak_bytes(), retries, self._size, self._step_batch_size]
+        # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
+        agreed = max_across_ranks(trainer, torch.tensor(local, dtype=torch.int64)).tolist()
+        peak, retries, size, step_batch_size = (int(v) for v in agreed)
+        self.planner.set_step_batch_size(step_batch_size)
+        planned = self.planner.on_step(size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
+        self._size_shrunk = planned < size
+        self._warn_if_budget_unreachable(peak, size)
         if self._totals is not None:
             totals, self._totals = self._totals, None
-            self._publish_step("split", self._size, totals, self._window_loss, peak, self.planner.budget_bytes)
+            self._publish_step("split", size, totals, self._window_loss, peak, self.planner.budget_bytes)
         # A shrink or grow decided now applies from the next step on: it is reported with that step, where the
         # logged micro-batch size changes (an OOM's events belong to the step that recovered, reported above).
         self._take_planner_events(trainer)
 
-    def _warn_if_budget_unreachable(self, peak: int) -> None:
+    def _warn_if_budget_unreachable(self, peak: int, size: int) -> None:
         budget = self.planner.budget_bytes
         if self._warned_unreachable or budget is None:
             return
-        if self._size <= self.planner.min_micro_batch_size and peak > budget:
+        if size <= self.planner.min_micro_batch_size and peak > budget:
             self._warned_unreachable = True
             rank_zero_warn(
                 f"The step's peak memory ({peak / GIB:.2f} GiB) is over the budget ({budget / GIB:.2f} GiB) even"
-                f" at the smallest micro-batch size ({self._size}): most of the memory does not depend on the"
+                f" at the smallest micro-batch size ({size}): most of the memory does not depend on the"
                 " micro-batch, so shrinking cannot meet the budget. Raise `max_memory`, or lower the fixed memory"
                 " (a smaller model or optimizer state, a sharded strategy)."
             )
@@ -694,11 +724,20 @@ class _AgreementFailed(RuntimeError):
     """The small all-reduce through which the ranks agree on an attempt failed: a peer is gone."""
 
 
+class _Agreed(NamedTuple):
+    """What every rank learns from one agreement."""
+
+    fault: int  # the worst over all ranks
+    micro_batch_size: int  # the largest any rank ran, which every rank's planner is told
+    step_batch_size: int  # the largest over ranks, likewise
+    used: list[bool] | None  # deferred sync: per parameter, whether any rank produced a gradient
+
+
 class _PeerFault(Exception):
     """This rank finished its forwards, but the agreement before the synced backward reported a fault elsewhere."""
 
-    def __init__(self, agreed: int) -> None:
-        super().__init__(agreed)
+    def __init__(self, agreed: _Agreed) -> None:
+        super().__init__(agreed.fault)
         self.agreed = agreed
 
 

@@ -154,3 +154,26 @@ def budget_fraction(max_memory: Any, capacity_bytes: float) -> float:
     if isinstance(budget, float):
         return budget
     return float(budget) / float(capacity_bytes) if capacity_bytes > 0 else float("nan")
+
+
+def over_capacity_warning(max_memory: Any, budget: float, capacity_bytes: float, device: str) -> str | None:
+    """The warning for a budget larger than the device, or ``None`` when it fits (or the capacity is unknown).
+
+    A budget the device cannot hold is never reached: nothing shrinks before memory runs out, and every shrink comes
+    from an OOM. It is legal (a budget written for a larger device), so it warns rather than raises.
+
+    Examples:
+        >>> over_capacity_warning("100GiB", 100 * GIB, 23.5 * GIB, "cpu")[:93]
+        '`max_memory=100GiB` sets a budget of 100.00 GiB, more than the device holds (23.50 GiB, cpu)'
+        >>> over_capacity_warning(0.9, 0.9 * GIB, GIB, "cpu") is None
+        True
+    """
+    if capacity_bytes <= 0 or budget <= capacity_bytes:
+        return None
+    given = max_memory if isinstance(max_memory, str) else repr(max_memory)
+    return (
+        f"`max_memory={given}` sets a budget of {budget / GIB:.2f} GiB, more than the device holds"
+        f" ({capacity_bytes / GIB:.2f} GiB, {device}): the budget is never reached, so the micro-batch only shrinks"
+        " after an out-of-memory error. Pass a fraction of the device (e.g. `max_memory=0.9`) or a size below its"
+        " capacity."
+    )

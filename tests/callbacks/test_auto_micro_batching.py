@@ -446,6 +446,21 @@ def test_a_budget_that_no_size_can_meet_is_reported_once(tmp_path):
     assert_grads_close(model.step_grads, expected, **FP32)  # still exact, just not within budget
 
 
+@pytest.mark.parametrize("max_memory", [2**50, "100TiB"])
+def test_a_budget_larger_than_the_device_is_warned_about_with_both_figures(tmp_path, max_memory):
+    # Taken without a word before (issue 18, item 10): the log read "memory budget 1048576.00 GiB of 23.54 GiB".
+    callback = AutoMicroBatching(4, max_memory=max_memory, count_items=count_tokens)
+    with pytest.warns(UserWarning, match=r"sets a budget of (1048576|102400)\.00 GiB, more than the device holds \(\d"):
+        model, expected, _ = fit_split(tmp_path, callback)
+    assert_grads_close(model.step_grads, expected, **FP32)
+
+
+def test_a_budget_within_the_device_is_not_warned_about(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*more than the device holds.*")
+        fit_split(tmp_path, AutoMicroBatching(4, max_memory=0.5, count_items=count_tokens))
+
+
 # ---- a micro-batch without loss-bearing items (issue 9, item 9) ------------------------------------------------------
 
 
