@@ -163,7 +163,7 @@ def over_capacity_warning(max_memory: Any, budget: float, capacity_bytes: float,
     from an OOM. It is legal (a budget written for a larger device), so it warns rather than raises.
 
     Examples:
-        >>> over_capacity_warning("100GiB", 100 * GIB, 23.5 * GIB, "cpu")[:93]
+        >>> over_capacity_warning("100GiB", 100 * GIB, 23.5 * GIB, "cpu")[:92]
         '`max_memory=100GiB` sets a budget of 100.00 GiB, more than the device holds (23.50 GiB, cpu)'
         >>> over_capacity_warning(0.9, 0.9 * GIB, GIB, "cpu") is None
         True
