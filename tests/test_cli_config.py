@@ -205,7 +205,7 @@ def test_split_auto_config_builds_auto_micro_batching_and_the_monitor(tmp_path: 
 
 
 def test_max_memory_in_bytes_survives_yaml(tmp_path: Path) -> None:
-    # jsonargparse hands YAML ints over as floats for a `float | int` hint; the callback must still read bytes.
+    # A YAML int reaches the callback as a float (as through the `float | int` hint before `MemorySize`); still bytes.
     from lightning_accum import AutoMicroBatching
 
     budgets = []
