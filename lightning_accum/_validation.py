@@ -24,7 +24,7 @@ _Choice = TypeVar("_Choice", bound=str)
 
 def check_int(
     value: Any,
-    name: str,
+    name: str | None,
     minimum: int | None = None,
     maximum: int | None = None,
     *,
@@ -35,7 +35,8 @@ def check_int(
 
     Args:
         value: what the user passed.
-        name: the argument as the user wrote it (``"schedule[0]"`` works too).
+        name: the argument as the user wrote it (``"schedule[0]"`` works too); ``None`` leaves it out of the message,
+            for a check that doesn't know its argument (a LightningCLI type: the parser names the argument).
         minimum: the smallest value allowed.
         maximum: the largest value allowed.
         alternative: what else the argument accepts (the caller checks it first), e.g. ``'"auto"'``.
@@ -52,6 +53,10 @@ def check_int(
         Traceback (most recent call last):
             ...
         TypeError: `micro_batch_size` must be an int >= 1 or "auto", got '8' of type str.
+        >>> check_int(-3, None, 1)
+        Traceback (most recent call last):
+            ...
+        ValueError: must be an int >= 1, got -3.
     """
     expected = _expected("an int", _bounds(minimum, maximum), alternative)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -63,7 +68,7 @@ def check_int(
 
 def check_number(
     value: Any,
-    name: str,
+    name: str | None,
     minimum: float | None = None,
     maximum: float | None = None,
     *,
@@ -76,7 +81,7 @@ def check_number(
 
     Args:
         value: what the user passed.
-        name: the argument as the user wrote it.
+        name: the argument as the user wrote it (``None``: left out of the message, as in `check_int`).
         minimum: the lower bound (``None``: none).
         maximum: the upper bound (``None``: none).
         min_inclusive: whether ``minimum`` itself is allowed.
@@ -178,32 +183,43 @@ def _expected(noun: str, bounds: str, alternative: str = "") -> str:
     return f"{noun}{bounds}" + (f" or {alternative}" if alternative else "")
 
 
-def _message(name: str, expected: str, value: Any, hint: str, with_type: bool = False) -> str:
+def _message(name: str | None, expected: str, value: Any, hint: str, with_type: bool = False) -> str:
     of_type = f" of type {type(value).__name__}" if with_type else ""
-    return f"`{name}` must be {expected}, got {value!r}{of_type}." + (f" {hint.strip()}" if hint else "")
+    subject = f"`{name}` must" if name is not None else "must"
+    return f"{subject} be {expected}, got {value!r}{of_type}." + (f" {hint.strip()}" if hint else "")
 
 
-def import_object(path: str, name: str) -> Any:
+def import_object(path: str, name: str | None = None) -> Any:
     """The object an import path names, ``"package.module.attr"`` or ``"package.module:attr"``.
 
-    ``name`` is the argument the path was given as (e.g. ``count_items``); the messages name it.
+    ``name`` is the argument the path was given as (e.g. ``count_items``); the messages name it. ``None`` leaves it
+    out, for a check that doesn't know its argument (a LightningCLI type: the parser names the argument).
 
     Raises:
         ValueError: the path is malformed, its module can't be imported, or the module has no such attribute.
+
+    Examples:
+        >>> import_object("collections:OrderedDict").__name__
+        'OrderedDict'
+        >>> import_object("collections.NoSuchThing", "count_items")
+        Traceback (most recent call last):
+            ...
+        ValueError: `count_items='collections.NoSuchThing'`: 'collections' has no attribute 'NoSuchThing'.
     """
+    given = f"`{name}={path!r}`" if name is not None else repr(path)
     # `pkgutil.resolve_name` reads both forms; it is asked only once the path looks like one, so that a typo gets
     # our message rather than its own.
     module_name, sep, attr_path = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr_path or not sep or " " in path:
         raise ValueError(
-            f"`{name}={path!r}` is not an import path. Write 'package.module.function' or 'package.module:function'."
+            f"{given} is not an import path. Write 'package.module.function' or 'package.module:function'."
         )
     try:
         return pkgutil.resolve_name(path)
     except ImportError as err:
-        raise ValueError(f"`{name}={path!r}`: cannot import module {err.name or module_name!r} ({err}).") from err
+        raise ValueError(f"{given}: cannot import module {err.name or module_name!r} ({err}).") from err
     except AttributeError as err:
-        raise ValueError(f"`{name}={path!r}`: {module_name!r} has no attribute {attr_path!r}.") from err
+        raise ValueError(f"{given}: {module_name!r} has no attribute {attr_path!r}.") from err
 
 
 def as_whole_number(value: Any) -> Any:

@@ -11,6 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
+from lightning_accum._cli_types import (
+    Decay,
+    GrowthFactor,
+    Milestones,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 from lightning_accum._validation import check_bool, check_choice, check_int, check_number
 from lightning_accum.noise_scale import NoiseScaleEstimator
 
@@ -66,7 +75,7 @@ class ConstantSchedule:
         4
     """
 
-    def __init__(self, accumulation_steps: int) -> None:
+    def __init__(self, accumulation_steps: PositiveInt) -> None:
         self.k = check_int(accumulation_steps, "accumulation_steps", 1, hint=_K_HINT)
 
     def accumulation_steps(self, progress: Progress) -> int:
@@ -96,7 +105,7 @@ class StepwiseSchedule:
         [1, 1, 2, 4]
     """
 
-    def __init__(self, milestones: Mapping[int, int], unit: ScheduleUnit = "epoch") -> None:
+    def __init__(self, milestones: Milestones, unit: ScheduleUnit = "epoch") -> None:
         self.unit: ScheduleUnit = check_choice(unit, "unit", _UNITS)
         if not isinstance(milestones, Mapping) or not milestones:
             raise TypeError(
@@ -166,7 +175,12 @@ class BatchSizeRamp:
     unit: ScheduleUnit = "sample"
 
     def __init__(
-        self, start: int, target: int, increment: int, ramp_samples: int, rounding: Rounding = "error"
+        self,
+        start: PositiveInt,
+        target: PositiveInt,
+        increment: PositiveInt,
+        ramp_samples: NonNegativeInt,
+        rounding: Rounding = "error",
     ) -> None:
         for name, value in (("start", start), ("target", target), ("increment", increment)):
             check_int(value, name, 1, hint="It counts samples in a global batch.")
@@ -253,16 +267,16 @@ class AdaptiveBatchSize:
 
     def __init__(
         self,
-        min_accumulation_steps: int = 4,
-        max_accumulation_steps: int = 64,
+        min_accumulation_steps: PositiveInt = 4,
+        max_accumulation_steps: PositiveInt = 64,
         *,
-        factor: float = 1.0,
-        warmup_windows: int = 50,
-        hysteresis: float = 0.25,
+        factor: PositiveFloat = 1.0,
+        warmup_windows: NonNegativeInt = 50,
+        hysteresis: NonNegativeFloat = 0.25,
         allow_decrease: bool = False,
-        max_growth: float | None = 2.0,
+        max_growth: GrowthFactor | None = 2.0,
         lr_scaling: LRScaling | None = None,
-        beta: float = 0.99,
+        beta: Decay = 0.99,
     ) -> None:
         self.min_k = check_int(min_accumulation_steps, "min_accumulation_steps", minimum=1)
         self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)

@@ -6,7 +6,10 @@ type hint that stops accepting what the YAML writes) fails here rather than in a
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,20 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.strategies import DDPStrategy
 
 from examples.char_lm.main import CharLMCLI, main
-from lightning_accum import AccumulationScheduler, BatchSizeRamp, Progress, StepwiseSchedule
+from lightning_accum import (
+    AccumulationMonitor,
+    AccumulationScheduler,
+    AdaptiveBatchSize,
+    AutoMicroBatching,
+    BatchSizeRamp,
+    ConstantSchedule,
+    Progress,
+    StepwiseSchedule,
+)
 from lightning_accum.items import CountSamples, CountTokens
 
-CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "char_lm" / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "char_lm" / "configs"
 TINY = ["--model.d_model=32", "--model.n_layers=1", "--model.n_heads=2", "--data.max_sequences=200"]
 
 
@@ -192,7 +205,7 @@ def test_split_auto_config_builds_auto_micro_batching_and_the_monitor(tmp_path: 
 
 
 def test_max_memory_in_bytes_survives_yaml(tmp_path: Path) -> None:
-    # jsonargparse hands YAML ints over as floats for a `float | int` hint; the callback must still read bytes.
+    # A YAML int reaches the callback as a float (as through the `float | int` hint before `MemorySize`); still bytes.
     from lightning_accum import AutoMicroBatching
 
     budgets = []
@@ -323,3 +336,223 @@ def test_batch_hooks_from_yaml_as_import_paths(tmp_path: Path) -> None:
     cli = build_from(tmp_path, config)
     (built,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
     assert built._hooks.split_batch is split_pairs and built._hooks.batch_size_of is count_pairs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A bad value is a usage error while LightningCLI parses (jsonargparse's own form), not a traceback from `__init__`.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def error_section(output: str) -> list[str]:
+    """The lines from jsonargparse's `error:` on (before them it prints the usage, the same for every error)."""
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert starts, f"no `error:` line in:\n{output}"
+    return lines[starts[0] :]
+
+
+@pytest.mark.parametrize(
+    ("override", "argument", "shown"),
+    [
+        ("--trainer.callbacks.max_memory=8 gigs", "max_memory", "got '8 gigs'"),
+        ("--trainer.callbacks.grow_patience=-3", "grow_patience", "got -3"),
+    ],
+)
+def test_a_bad_value_on_the_command_line_is_a_short_usage_error(override: str, argument: str, shown: str) -> None:
+    # The real command line of the shipped config, as a user types it. Before the parse-time types this was an
+    # 86-line traceback from `__init__` (exit code 1) with the message in the middle.
+    command = [
+        sys.executable,
+        "-m",
+        "examples.char_lm.main",
+        "fit",
+        f"--config={CONFIGS / 'split_auto.yaml'}",
+        override,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output
+    section = error_section(output)
+    assert len(section) <= 20, "\n".join(section)
+    text = "\n".join(section)
+    assert f'Parser key "{argument}"' in text and shown in text, text
+
+
+# (arguments after the config, the argument the error must name, what it must say, with the value). Every argument that
+# an `__init__` checks, of each callback and of each schedule and counter a config can build; the Literal and bool
+# ones are jsonargparse's own checks, listed to show they stay short too.
+SCHEDULER = ("--trainer.callbacks+=lightning_accum.AccumulationScheduler",)
+ADAPTIVE = (*SCHEDULER, "--trainer.callbacks.schedule=lightning_accum.AdaptiveBatchSize")
+MONITOR = ("--trainer.callbacks+=lightning_accum.AccumulationMonitor",)
+CONSTANT = (*SCHEDULER, "--trainer.callbacks.schedule=lightning_accum.ConstantSchedule")
+STEPWISE = (*SCHEDULER, "--trainer.callbacks.schedule=lightning_accum.StepwiseSchedule")
+SPLIT = (f"--config={CONFIGS / 'split_auto.yaml'}",)
+RAMP = (f"--config={CONFIGS / 'window_ramp.yaml'}",)
+BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "micro_batch_size": ((*SPLIT, "--trainer.callbacks.micro_batch_size=0"), "micro_batch_size", 'or "auto", got 0'),
+    "max_memory size": ((*SPLIT, "--trainer.callbacks.max_memory=8 gigs"), "max_memory", "got '8 gigs'"),
+    "max_memory fraction": ((*SPLIT, "--trainer.callbacks.max_memory=1.5"), "max_memory", "(0, 1], got 1.5"),
+    "min_micro_batch_size": (
+        (*SPLIT, "--trainer.callbacks.min_micro_batch_size=0"),
+        "min_micro_batch_size",
+        ">= 1, got 0",
+    ),
+    "count_items": (
+        (*SPLIT, "--trainer.callbacks.count_items=no_such_module:count"),
+        "count_items",
+        "'no_such_module'",
+    ),
+    "low_watermark": ((*SPLIT, "--trainer.callbacks.low_watermark=1.5"), "low_watermark", "(0, 1), got 1.5"),
+    "grow_patience": ((*SPLIT, "--trainer.callbacks.grow_patience=-3"), "grow_patience", ">= 1, got -3"),
+    "grow_patience type": ((*SPLIT, "--trainer.callbacks.grow_patience=often"), "grow_patience", "got 'often'"),
+    "oom_cooldown": ((*SPLIT, "--trainer.callbacks.oom_cooldown=-1"), "oom_cooldown", ">= 0, got -1"),
+    "split_batch": ((*SPLIT, "--trainer.callbacks.split_batch=tests.helpers:no_such"), "split_batch", "'no_such'"),
+    "batch_size_of": ((*SPLIT, "--trainer.callbacks.batch_size_of=os.sep"), "batch_size_of", "not callable"),
+    "loss_reduction": ((*SPLIT, "--trainer.callbacks.loss_reduction=median"), "loss_reduction", "median"),
+    "gradient_sync": ((*SPLIT, "--trainer.callbacks.gradient_sync=fast"), "gradient_sync", "fast"),
+    "preflight": ((*SPLIT, "--trainer.callbacks.preflight=sometimes"), "preflight", "sometimes"),
+    "schedule int": ((*SCHEDULER, "--trainer.callbacks.schedule=0"), "schedule", ">= 1, got 0"),
+    "schedule key order": ((*SCHEDULER, "--trainer.callbacks.schedule={2: 4, 0: 1}"), "schedule", "got [2, 0]"),
+    "schedule k": ((*SCHEDULER, "--trainer.callbacks.schedule={0: 0}"), "schedule", "`schedule[0]` must be"),
+    "unit": ((*SCHEDULER, "--trainer.callbacks.unit=epochs"), "unit", "epochs"),
+    "scheduler count_items": (
+        (*SCHEDULER, "--trainer.callbacks.count_items=lightning_accum.items.NoCounter"),
+        "count_items",
+        "no attribute 'NoCounter'",
+    ),
+    "ConstantSchedule": (
+        (*CONSTANT, "--trainer.callbacks.schedule.accumulation_steps=0"),
+        "accumulation_steps",
+        ">= 1, got 0",
+    ),
+    "StepwiseSchedule": (
+        (*STEPWISE, "--trainer.callbacks.schedule.milestones={0: 1, -2: 4}"),
+        "milestones",
+        "got key -2",
+    ),
+    "BatchSizeRamp start": ((*RAMP, "--trainer.callbacks.schedule.start=0"), "start", ">= 1, got 0"),
+    "BatchSizeRamp ramp_samples": ((*RAMP, "--trainer.callbacks.schedule.ramp_samples=-1"), "ramp_samples", "got -1"),
+    "BatchSizeRamp rounding": ((*RAMP, "--trainer.callbacks.schedule.rounding=up"), "rounding", "up"),
+    "min_accumulation_steps": (
+        (*ADAPTIVE, "--trainer.callbacks.schedule.min_accumulation_steps=0"),
+        "min_accumulation_steps",
+        ">= 1, got 0",
+    ),
+    "max_accumulation_steps": (
+        (*ADAPTIVE, "--trainer.callbacks.schedule.max_accumulation_steps=0"),
+        "max_accumulation_steps",
+        ">= 1, got 0",
+    ),
+    "factor": ((*ADAPTIVE, "--trainer.callbacks.schedule.factor=0"), "factor", "> 0, got 0"),
+    "warmup_windows": ((*ADAPTIVE, "--trainer.callbacks.schedule.warmup_windows=-1"), "warmup_windows", ">= 0, got -1"),
+    "hysteresis": ((*ADAPTIVE, "--trainer.callbacks.schedule.hysteresis=-0.5"), "hysteresis", ">= 0, got -0.5"),
+    "max_growth": ((*ADAPTIVE, "--trainer.callbacks.schedule.max_growth=1"), "max_growth", "> 1, got 1"),
+    "beta": ((*ADAPTIVE, "--trainer.callbacks.schedule.beta=1.0"), "beta", "[0, 1), got 1.0"),
+    "lr_scaling": ((*ADAPTIVE, "--trainer.callbacks.schedule.lr_scaling=cubic"), "lr_scaling", "cubic"),
+    "logging_interval": ((*MONITOR, "--trainer.callbacks.logging_interval=0"), "logging_interval", ">= 1, got 0"),
+    "noise_scale_beta": ((*MONITOR, "--trainer.callbacks.noise_scale_beta=1.0"), "noise_scale_beta", "got 1.0"),
+    "noise_scale_interval": (
+        (*MONITOR, "--trainer.callbacks.noise_scale_interval=0"),
+        "noise_scale_interval",
+        ">= 1, got 0",
+    ),
+    "CountTokens ignore_index": (
+        (*RAMP, "--trainer.callbacks.count_items.ignore_index=none_of_them"),
+        "ignore_index",
+        "none_of_them",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_every_checked_argument_is_checked_while_parsing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    args, argument, shown = BAD_VALUES[case]
+    with pytest.raises(SystemExit) as exited:  # jsonargparse's usage error; `__init__` is never reached
+        build(tmp_path, *args)
+    assert exited.value.code == 2
+    section = error_section(capsys.readouterr().err)
+    # jsonargparse lists every branch of every union on the way: a callback's own argument takes about 12 lines, one
+    # that may be None (jsonargparse makes every default-None argument optional) about 18, and an optional argument of
+    # a schedule inside the scheduler, three unions deep, about 32. The message itself is one of them.
+    assert len(section) <= 36, "\n".join(section)
+    text = "\n".join(section)
+    assert f'Parser key "{argument}"' in text and shown in text, text
+
+
+# What each class a config builds may leave to jsonargparse's plain `int`, `float` or `str`: any value of the type is
+# valid there. Every other argument an `__init__` checks needs a type of `lightning_accum._cli_types`.
+UNCHECKED = {("CountTokens", "key"), ("CountTokens", "ignore_index"), ("AccumulationMonitor", "key_prefix")}
+CONFIGURABLE = [AutoMicroBatching, AccumulationScheduler, AccumulationMonitor, ConstantSchedule, StepwiseSchedule]
+CONFIGURABLE += [BatchSizeRamp, AdaptiveBatchSize, CountTokens]
+
+
+def plain_members(hint: Any) -> set[type]:
+    """The bare `int`, `float` and `str` in a type hint, unions and all."""
+    if hint in (int, float, str):
+        return {hint}
+    return set().union(*(plain_members(arg) for arg in typing.get_args(hint) if not isinstance(arg, str)))
+
+
+@pytest.mark.parametrize("cls", CONFIGURABLE, ids=lambda cls: cls.__name__)
+def test_no_checked_argument_is_left_to_a_plain_type(cls: type) -> None:
+    # The guard that keeps item 1 fixed: a new `grow_patience: int` would parse -3 and fail in `__init__` again.
+    hints = typing.get_type_hints(cls.__init__)
+    plain = {name: plain_members(hint) for name, hint in hints.items() if name != "return"}
+    unchecked = {name for name, members in plain.items() if members and (cls.__name__, name) not in UNCHECKED}
+    assert not unchecked, f"{cls.__name__}: annotate {sorted(unchecked)} with a type of lightning_accum._cli_types"
+
+
+@pytest.mark.parametrize(
+    ("override", "read", "expected"),
+    [
+        ("--trainer.callbacks.grow_patience=5", lambda cb: cb.planner.grow_patience, 5),
+        ("--trainer.callbacks.micro_batch_size=8", lambda cb: cb.planner.micro_batch_size_setting, 8),
+        ("--trainer.callbacks.low_watermark=0.5", lambda cb: cb.planner.low_watermark, 0.5),
+        ("--trainer.callbacks.max_memory=1", lambda cb: cb.max_memory, 1.0),  # a fraction: the whole device
+        ("--trainer.callbacks.max_memory=8589934592", lambda cb: cb.max_memory, 8 * 2**30),  # bytes
+        ("--trainer.callbacks.max_memory=500 MB", lambda cb: cb.max_memory, 500 * 10**6),
+        ("--trainer.callbacks.max_memory=null", lambda cb: cb.max_memory, 0.9),
+        (
+            "--trainer.callbacks.split_batch=tests.test_batch_inputs:split_pairs",
+            lambda cb: cb._hooks.split_batch.__name__,
+            "split_pairs",
+        ),
+    ],
+)
+def test_good_values_reach_the_callback_as_plain_values(
+    tmp_path: Path, override: str, read: Any, expected: Any
+) -> None:
+    cli = build_from(tmp_path, "split_auto.yaml", override)
+    (splitter,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    value = read(splitter)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_the_scheduler_and_the_monitor_get_plain_values(tmp_path: Path) -> None:
+    cli = build(
+        tmp_path, *SCHEDULER, "--trainer.callbacks.schedule=3", *MONITOR, "--trainer.callbacks.logging_interval=7"
+    )
+    assert repr(scheduler_of(cli).schedule) == "ConstantSchedule(3)"
+    (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationMonitor)]
+    assert monitor.logging_interval == 7 and type(monitor.logging_interval) is int
+
+
+def test_without_jsonargparse_the_package_imports_and_init_still_checks() -> None:
+    # jsonargparse is the `cli` extra: blocked here, the types stay unregistered and `__init__` gives its own message.
+    script = (
+        "import sys; sys.modules['jsonargparse'] = None\n"
+        "from lightning_accum import AutoMicroBatching\n"
+        "from lightning_accum.memory.budget import check_max_memory\n"
+        "try:\n    AutoMicroBatching(grow_patience=-3)\nexcept ValueError as err:\n    print(err)\n"
+        "print(AutoMicroBatching(max_memory='6GiB', grow_patience=5).max_memory)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["`grow_patience` must be an int >= 1, got -3.", str(6 * 2**30)]

@@ -15,6 +15,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum import _compat, keys
+from lightning_accum._cli_types import Decay, PositiveInt
 from lightning_accum._validation import check_bool, check_int
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
@@ -117,11 +118,11 @@ class AccumulationMonitor(Callback):
 
     def __init__(
         self,
-        logging_interval: int | None = None,
+        logging_interval: PositiveInt | None = None,
         *,
         gradient_noise_scale: bool = False,
-        noise_scale_beta: float = 0.99,
-        noise_scale_interval: int = 1,
+        noise_scale_beta: Decay = 0.99,
+        noise_scale_interval: PositiveInt = 1,
         progress_bar: bool = True,
         summary: bool = True,
         key_prefix: str = "",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +12,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum._cli_types import ImportPath, Milestones, PositiveInt
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.noise_scale import NoiseScaleEstimator
@@ -77,10 +77,10 @@ class AccumulationScheduler(AccumulationOwner):
 
     def __init__(
         self,
-        schedule: int | Mapping[int, int] | AccumulationSchedule | None = None,
+        schedule: PositiveInt | Milestones | AccumulationSchedule | None = None,
         *,
         unit: ScheduleUnit = "epoch",
-        count_items: ItemCounter | str | None = None,
+        count_items: ItemCounter | ImportPath | None = None,
         loss_reduction: LossReduction = "mean",
         sync_every_micro_batch: bool = False,
     ) -> None:

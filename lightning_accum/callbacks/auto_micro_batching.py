@@ -19,6 +19,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
+from lightning_accum._cli_types import (
+    ImportPath,
+    MemorySize,
+    MicroBatchSize,
+    NonNegativeInt,
+    OpenUnitInterval,
+    PositiveInt,
+)
 from lightning_accum._validation import check_bool, check_choice
 from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import all_reduce_gradients, max_across_ranks, sum_across_ranks_fn
@@ -92,8 +100,8 @@ class AutoMicroBatching(AccumulationOwner):
     ``training_step`` outputs other than the loss are those of the last micro-batch.
 
     Args:
-        micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's prediction); an
-            int starts there and still shrinks on OOM.
+        micro_batch_size: ``"auto"`` starts where the pre-flight trace predicts the step fits (see ``preflight``;
+            without it, from the whole step batch); an int starts there and still shrinks on OOM.
         max_memory: the peak-memory budget: a fraction of the device's capacity in (0, 1], a number of bytes, or a
             size such as ``"8GiB"``. ``None`` means 0.9 of capacity.
         min_micro_batch_size: never split finer than this; an OOM at this size raises an error with the memory
@@ -138,20 +146,20 @@ class AutoMicroBatching(AccumulationOwner):
 
     def __init__(
         self,
-        micro_batch_size: int | Literal["auto"] = "auto",
+        micro_batch_size: MicroBatchSize = "auto",
         *,
-        max_memory: float | int | str | None = None,
-        min_micro_batch_size: int = 1,
-        count_items: ItemCounter | str | None = None,
+        max_memory: MemorySize | None = None,
+        min_micro_batch_size: PositiveInt = 1,
+        count_items: ItemCounter | ImportPath | None = None,
         loss_reduction: LossReduction = "mean",
         pin_micro_batch_size: bool = False,
-        low_watermark: float = 0.7,
-        grow_patience: int = 20,
-        oom_cooldown: int = 200,
+        low_watermark: OpenUnitInterval = 0.7,
+        grow_patience: PositiveInt = 20,
+        oom_cooldown: NonNegativeInt = 200,
         predictive: bool = True,
         gradient_sync: GradientSync | None = None,
-        split_batch: SplitBatchFn | str | None = None,
-        batch_size_of: BatchSizeFn | str | None = None,
+        split_batch: SplitBatchFn | ImportPath | None = None,
+        batch_size_of: BatchSizeFn | ImportPath | None = None,
         fault_injector: OOMInjector | None = None,
         preflight: bool = True,
     ) -> None:

@@ -1,8 +1,8 @@
 """Pre-flight for split mode: fit ``peak(b)`` from two traced steps on fake tensors, before a real micro-batch runs.
 
-`AutoMicroBatching("auto")` starts cold by halving from the whole step batch, and a failed attempt leaves no peak to
-fit. `preflight` traces the step instead: a fake copy of the module and its optimizers (no weight, state or batch is
-copied for real) runs a warm-up step, then one step of two micro-batches at each of two sizes, under a
+Without it, `AutoMicroBatching("auto")` would start cold by halving from the whole step batch, and a failed attempt
+leaves no peak to fit. `preflight` traces the step instead: a fake copy of the module and its optimizers (no weight,
+state or batch is copied for real) runs a warm-up step, then one step of two micro-batches at each of two sizes, under a
 `lightning_accum.memory.tracker.MemoryTracker`. The two peaks fit the same
 `lightning_accum.memory.model.LinearPeakModel` the planner uses. Where tracing fails (an op without a fake
 implementation, a data-dependent shape, a ``.item()`` in ``training_step``, an attribute ``deepcopy`` refuses), the
