@@ -30,6 +30,7 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_accum._cli_types import NonNegativeInt
 from lightning_accum._validation import check_int, import_object
 from lightning_accum.normalization import batch_size_of
 
@@ -78,7 +79,9 @@ class CountTokens:
         tensor(1)
     """
 
-    def __init__(self, key: str | int = "labels", ignore_index: int = -100, shift: int | None = None) -> None:
+    def __init__(
+        self, key: str | int = "labels", ignore_index: int = -100, shift: NonNegativeInt | None = None
+    ) -> None:
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise TypeError(
                 f"`key` must be a str (a mapping key or attribute name) or an int (a position in a tuple batch),"
