@@ -661,17 +661,11 @@ class AutoMicroBatching(AccumulationOwner):
         self._take_planner_events(trainer)
 
     def _warn_if_budget_unreachable(self, peak: int) -> None:
-        budget = self.planner.budget_bytes
-        if self._warned_unreachable or budget is None:
-            return
-        if self._size <= self.planner.min_micro_batch_size and peak > budget:
+        # The planner says when shrinking cannot meet the budget (at the smallest size, or shrinks that did not lower
+        # the peak); once per fit is enough.
+        if self.planner.budget_unreachable is not None and not self._warned_unreachable:
             self._warned_unreachable = True
-            rank_zero_warn(
-                f"The step's peak memory ({peak / GIB:.2f} GiB) is over the budget ({budget / GIB:.2f} GiB) even"
-                f" at the smallest micro-batch size ({self._size}): most of the memory does not depend on the"
-                " micro-batch, so shrinking cannot meet the budget. Raise `max_memory`, or lower the fixed memory"
-                " (a smaller model or optimizer state, a sharded strategy)."
-            )
+            rank_zero_warn(self.planner.budget_unreachable)
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
         for event in self.planner.take_events():
