@@ -20,8 +20,8 @@ How sizes are chosen:
   the model is discarded and rebuilt from fresh measurements. An OOM at a size the model said fits halves the size
   and keeps the model: the next measurement decides (a passing spike or fragmentation leaves it right, and the
   failed size waits out its cool-down).
-* **Plain halving** (``predictive=False``) halves on every OOM or over-budget step and doubles to grow back, like
-  Composer, which never grows back at all.
+* **Plain halving** (``predictive=False``) halves on every OOM or over-budget step (until shrinking stops helping,
+  below) and doubles to grow back, like Composer, which never grows back at all.
 * **Hysteresis.** The planner shrinks as soon as the peak exceeds the budget (or the allocator had to retry on two
   consecutive steps), but grows only after ``grow_patience`` consecutive steps under the low watermark, and never to
   a size that failed (OOM, over budget, allocator retries) within the last ``oom_cooldown`` steps. The watermark is

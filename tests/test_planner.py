@@ -577,20 +577,19 @@ class WideActivationModel(TokenModel):
 
 def test_in_a_real_cpu_run_the_planner_stops_shrinking_once_it_stops_helping(tmp_path):
     import copy
-    import ctypes
     import gc
     import warnings
 
     from torch.utils.data import DataLoader
 
     from lightning_accum import AutoMicroBatching
-    from lightning_accum.memory.backends import CPUBackend
+    from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
     from tests.helpers import FP32, TokenDataset, assert_grads_close, count_tokens, make_trainer, replay_reference
 
     # The budget is under the process's own resident set: no micro-batch can meet it. Freed heap memory that earlier
     # tests left resident goes back to the system first, or the resident set could fall under the budget mid-run.
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trim_cpu_heap()
     budget = CPUBackend().current_bytes() - 8 * MiB
     callback = AutoMicroBatching(64, max_memory=budget, count_items=count_tokens)
     model, dataset = WideActivationModel(), TokenDataset(64 * 8)
