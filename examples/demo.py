@@ -37,6 +37,7 @@ from lightning_accum import AccumulationMonitor, AutoMicroBatching  # noqa: E402
 from lightning_accum.items import CountTokens  # noqa: E402
 from lightning_accum.memory.backends import backend_for  # noqa: E402
 from lightning_accum.memory.oom import OOMFault, OOMInjector  # noqa: E402
+from lightning_accum.memory.sizes import format_size, format_sizes  # noqa: E402
 
 STEP_BATCH = 64
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator == "cpu":
         # Tight on purpose: the budget is the memory in use now plus a little, so the step batch does not fit whole.
         budget: float | int = backend_for("cpu").current_bytes() + args.headroom_mib * 2**20
-        budget_text = f"{budget / 2**30:.2f} GiB resident ({args.headroom_mib} MiB above the start)"
+        budget_text = f"{format_size(budget)} resident ({args.headroom_mib} MiB above the start)"
     else:
         budget = 0.8
         budget_text = "80% of GPU memory"
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     splitter = AutoMicroBatching(
         "auto", max_memory=budget, count_items=CountTokens(key="labels"), grow_patience=10, fault_injector=injector
     )
+    peaks = PeakLog(splitter)
     wandb_logger = WandbLogger(project=args.project, save_dir=str(output), offline=True, log_model=False)
     csv_logger = CSVLogger(str(output), name="csv")
     trainer = pl.Trainer(
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         gradient_clip_val=1.0,
         logger=[wandb_logger, csv_logger],
         log_every_n_steps=1,
-        callbacks=[splitter, AccumulationMonitor()],
+        callbacks=[splitter, AccumulationMonitor(), peaks],
         enable_checkpointing=False,
         enable_model_summary=False,
         default_root_dir=str(output),
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"effective batch: {last.effective_batch_size} sequences per step, unchanged by memory")
     print(f"micro-batch now: {last.micro_batch_size} sequences, {last.accumulation_steps} per step")
     print(f"OOMs recovered: {splitter.oom_retries}")
+    print(peaks.summary())
     print(f"\nW&B offline run: {run_dir}")
     print(f"CSV metrics:     {csv_logger.log_dir}/metrics.csv")
     print(f"report plot:     {report}")
@@ -123,6 +126,46 @@ def main(argv: list[str] | None = None) -> int:
     print("Or, offline, redraw the plot from the run:")
     print(f"  {accum_cli} report {run_dir} --output {report}")
     return 0
+
+
+class PeakLog(pl.Callback):
+    """Each step's micro-batch size and peak, as ``AutoMicroBatching`` measured them: to say where the peak was."""
+
+    def __init__(self, splitter: AutoMicroBatching) -> None:
+        self.splitter = splitter
+        self.steps: list[tuple[int, int]] = []  # (micro-batch size, peak bytes) per optimizer step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        report = self.splitter.last_step_report
+        if report is not None and report.peak_bytes is not None:
+            self.steps.append((report.micro_batch_size, report.peak_bytes))
+
+    def summary(self) -> str:
+        """Where the run's peak was against the budget, and why a split-mode peak can pass the budget at all."""
+        budget = self.splitter.planner.budget_bytes
+        if budget is None or not self.steps:
+            return "peak memory: not measured against a budget"
+        over = [(step, b, peak) for step, (b, peak) in enumerate(self.steps) if peak > budget]
+        worst = max(peak for _, peak in self.steps)
+        if self.splitter.planner.budget_unreachable is not None:  # no micro-batch meets it: the planner says why
+            return f"peak memory: {worst / budget:.0%} of the budget. {self.splitter.planner.budget_unreachable}"
+        if not over:
+            return f"peak memory: {worst / budget:.0%} of the budget at most, under it in every step"
+        listed = ", ".join(f"{step} (micro-batch {b}, {peak / budget:.1%})" for step, b, peak in over)
+        under = max((peak for _, peak in self.steps if peak <= budget), default=0)
+        worst_text, budget_text = format_sizes(worst, budget)
+        # A shrink decided after step s is reported with step s + 1, the first that runs the new size.
+        shrunk_after = {e.step - 1 for e in self.splitter.events if e.kind == "shrink"}
+        reacted = "; the planner shrank right after each of them" if all(s in shrunk_after for s, _, _ in over) else ""
+        return (
+            f"peak memory: {worst / budget:.1%} of the budget at worst ({worst_text} of {budget_text}), over it in"
+            f" step{'s' if len(over) > 1 else ''} {listed}.\n"
+            "  Split mode steers by each step's measured peak, so the steps in which it is still finding out what"
+            f" fits (the first at the pre-flight's start, the first at a grown size) can pass the budget{reacted}."
+            f" The other {len(self.steps) - len(over)} steps stayed under it (at most {under / budget:.1%}).\n"
+            "  The budget is a target the planner steers to, not a cap: on CPU it is the resident set, of which the"
+            " pre-flight's trace sees only the tensors. Keep `max_memory` below what the device can hold."
+        )
 
 
 def _command(name: str) -> str:

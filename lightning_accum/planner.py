@@ -20,14 +20,20 @@ How sizes are chosen:
   the model is discarded and rebuilt from fresh measurements. An OOM at a size the model said fits halves the size
   and keeps the model: the next measurement decides (a passing spike or fragmentation leaves it right, and the
   failed size waits out its cool-down).
-* **Plain halving** (``predictive=False``) halves on every OOM or over-budget step and doubles to grow back, like
-  Composer, which never grows back at all.
+* **Plain halving** (``predictive=False``) halves on every OOM or over-budget step (until shrinking stops helping,
+  below) and doubles to grow back, like Composer, which never grows back at all.
 * **Hysteresis.** The planner shrinks as soon as the peak exceeds the budget (or the allocator had to retry on two
   consecutive steps), but grows only after ``grow_patience`` consecutive steps under the low watermark, and never to
   a size that failed (OOM, over budget, allocator retries) within the last ``oom_cooldown`` steps. The watermark is
   ``low_watermark * budget`` until the model is fitted; then it applies to the part of the budget the micro-batch
   can use, ``fixed + low_watermark * (budget - fixed)``, so a large fixed part (parameters and optimizer state, or a
   process's resident set on CPU) does not stop the micro-batch from ever growing back.
+* **No shrinking for nothing.** Once over-budget shrinks have cut the micro-batch to half the size where they began
+  or less, the peaks at both ends say what a sample costs. If, at that rate, even ``min_micro_batch_size`` would peak
+  over the budget, the memory that does not depend on ``b`` is over it by itself (on CPU, resident memory that a
+  smaller micro-batch does not give back): the planner keeps the size and says so once (`budget_unreachable`)
+  instead of shrinking to the minimum for nothing. An OOM still shrinks; a peak under the budget, a grow or a new
+  phase of the model ends the hold, and a fall of the fixed memory (memory freed) lets the shrinking go on.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from lightning_accum._validation import check_bool, check_int, check_number
-from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
+from lightning_accum.memory.sizes import format_size, format_sizes
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
 _STATE_VERSION = 1
@@ -184,6 +190,10 @@ class MicroBatchPlanner:
         self._failed: dict[int, int] = {}  # size that failed -> first step at which it (or more) may be tried again
         self._last_peak: float | None = None
         self._last_size: int | None = None
+        # (size, peak) where the current run of over-budget shrinks began: what the shrinks saved since is measured.
+        self._shrink_start: tuple[int, float] | None = None
+        self.budget_unreachable: str | None = None
+        """After `on_step`: why shrinking cannot bring the peak under the budget, or ``None``."""
 
     # ---- queries ------------------------------------------------------------------------------------------------
 
@@ -267,11 +277,11 @@ class MicroBatchPlanner:
                 # a passing spike, it still knows which sizes fit, and the failed size waits out its cool-down. (A
                 # model thrown away here left one measured size, and with large fixed memory the micro-batch never
                 # grew back.)
-                reason = f"OOM at {size}, predicted {_gib(predicted)} <= budget {_gib(budget)}: halved"
+                reason = "OOM at {}, predicted {} <= budget {}: halved".format(size, *format_sizes(predicted, budget))
             else:
                 fit = self.model.largest_fitting(budget, size - 1)
                 target = size // 2 if fit is None else fit
-                reason = f"OOM at {size}: largest predicted to fit the budget {_gib(budget)}"
+                reason = f"OOM at {size}: largest predicted to fit the budget {format_size(budget)}"
         return self._change("oom_recovered", size, target, step, reason)
 
     def on_step(self, size: int, peak_bytes: float, step: int, alloc_retries_delta: int = 0) -> int:
@@ -295,9 +305,17 @@ class MicroBatchPlanner:
         budget = self.budget_bytes
         can_shrink = not self.pin_micro_batch_size and size > self.min_micro_batch_size
 
-        if budget is not None and peak > budget and can_shrink:
-            target = self._shrink_target(size, peak, budget)
-            return self._change("shrink", size, target, step, f"peak {_gib(peak)} > budget {_gib(budget)}")
+        self.budget_unreachable = None
+        if budget is not None and peak > budget:
+            self.budget_unreachable = self._unreachable(size, peak, budget)
+            if can_shrink and self.budget_unreachable is None:
+                if self._shrink_start is None:
+                    self._shrink_start = (size, peak)
+                target = self._shrink_target(size, peak, budget)
+                reason = "peak {} > budget {}".format(*format_sizes(peak, budget))
+                return self._change("shrink", size, target, step, reason)
+        elif budget is not None:
+            self._shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
         if self._retry_streak >= 2 and can_shrink:
             if self.predictive and budget is not None and self.model.fitted():
                 # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
@@ -317,7 +335,8 @@ class MicroBatchPlanner:
         target = self._grow_target(size, peak, budget, step)
         if target is None or target <= self._limit:
             return self._current(size)
-        reason = f"peak {_gib(peak)} < low watermark {_gib(self._low_mark(budget))} for {self.grow_patience} steps"
+        texts = format_sizes(peak, self._low_mark(budget))
+        reason = f"peak {texts[0]} < low watermark {texts[1]} for {self.grow_patience} steps"
         return self._change("grow", size, target, step, reason)
 
     # ---- internals ----------------------------------------------------------------------------------------------
@@ -353,7 +372,36 @@ class MicroBatchPlanner:
             if abs(predicted - peak) > self.refit_tolerance * max(peak, 1.0):
                 # Measurements from an earlier phase of training would bend the new fit; start over.
                 self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
+                self._shrink_start = None
         self.model.observe(size, peak)
+
+    def _unreachable(self, size: int, peak: float, budget: float) -> str | None:
+        """Why shrinking cannot meet the budget: at the smallest size, or after shrinks that hardly lowered the peak."""
+        fix = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
+        if size <= self.min_micro_batch_size:
+            peak_text, budget_text = format_sizes(peak, budget)
+            return (
+                f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
+                f" micro-batch size ({size}): most of the memory does not depend on the micro-batch, so shrinking"
+                " cannot meet the budget." + fix
+            )
+        if self.pin_micro_batch_size or self._shrink_start is None:
+            return None
+        start, start_peak = self._shrink_start
+        if start < 2 * size:
+            return None  # a shrink to half or less tells what the micro-batch costs; a smaller one is noise-prone
+        per_sample = max(0.0, (start_peak - peak) / (start - size))
+        smallest = peak - per_sample * (size - self.min_micro_batch_size)
+        if smallest <= budget:
+            return None
+        texts = format_sizes(peak, budget, start_peak, smallest)
+        return (
+            f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}), and shrinking the micro-batch does"
+            f" not bring it down: from {start} to {size} samples the peak went from {texts[2]} to {texts[0]}. At"
+            f" that rate even the smallest micro-batch size ({self.min_micro_batch_size}) would peak at {texts[3]}:"
+            " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
+            f" micro-batch size {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
+        )
 
     def _shrink_target(self, size: int, peak: float, budget: float) -> int:
         if not self.predictive:
@@ -362,7 +410,8 @@ class MicroBatchPlanner:
             fit = self.model.largest_fitting(budget, size - 1)
             # No size predicted to fit means the fixed part alone passes the budget. Jumping to the minimum would
             # then cost most of the throughput for little memory (and on CPU the "fixed" part is often resident
-            # memory that freed tensors left behind): halve, as without a model; the minimum is a few steps away.
+            # memory that freed tensors left behind): halve, as without a model. If the halving does not lower the
+            # measured peak enough, `_unreachable` stops the shrinking there.
             return size // 2 if fit is None else fit
         # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
         # than halving would.
@@ -390,6 +439,7 @@ class MicroBatchPlanner:
         before = self._current(size) if kind == "grow" else size
         if kind == "grow":
             self._limit = target
+            self._shrink_start = None
         else:
             target = max(self.min_micro_batch_size, min(target, size - 1))
             if self.oom_cooldown > 0:
@@ -403,13 +453,13 @@ class MicroBatchPlanner:
         return after
 
     def _fatal(self, size: int, step: int) -> MicroBatchOOMError:
-        figures = [f"budget {_gib(self.budget_bytes)}" if self.budget_bytes is not None else "no budget set"]
+        figures = [f"budget {format_size(self.budget_bytes)}" if self.budget_bytes is not None else "no budget set"]
         if self._last_peak is not None:
-            figures.append(f"last measured peak {_gib(self._last_peak)} at size {self._last_size}")
+            figures.append(f"last measured peak {format_size(self._last_peak)} at size {self._last_size}")
         if self.model.fitted():
             figures.append(
-                f"memory model: {_gib(self.model.fixed_bytes or 0.0)} fixed"
-                f" + {(self.model.per_sample_bytes or 0.0) / 2**20:.1f} MiB per sample"
+                f"memory model: {format_size(self.model.fixed_bytes or 0.0)} fixed"
+                f" + {format_size(self.model.per_sample_bytes or 0.0)} per sample"
             )
         return MicroBatchOOMError(
             f"Out of memory at micro-batch size {size} at step {step}, and `min_micro_batch_size` is"
@@ -436,6 +486,7 @@ class MicroBatchPlanner:
             "failed": [[size, until] for size, until in sorted(self._failed.items())],
             "last_peak": self._last_peak,
             "last_size": self._last_size,
+            "shrink_start": None if self._shrink_start is None else list(self._shrink_start),
             "model": self.model.state_dict(),
         }
 
@@ -452,6 +503,8 @@ class MicroBatchPlanner:
         self._last_peak = None if last_peak is None else float(last_peak)
         last_size = state.get("last_size")
         self._last_size = None if last_size is None else int(last_size)
+        shrink_start = state.get("shrink_start")  # absent before issue 19: no shrink under way
+        self._shrink_start = None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1]))
         self.model = LinearPeakModel()
         if "model" in state:
             self.model.load_state_dict(state["model"])
@@ -465,11 +518,16 @@ class MicroBatchPlanner:
 
 @dataclass
 class SimulationResult:
-    """What `simulate` saw: the size each step ran with, the steps that hit an OOM, the planner's events."""
+    """What `simulate` saw: the size of each step, the steps that hit an OOM, the events, the budget out of reach.
+
+    ``unreachable_steps`` are the steps after which the planner said the budget is out of reach
+    (`MicroBatchPlanner.budget_unreachable`).
+    """
 
     sizes: list[int] = field(default_factory=list)
     oom_steps: list[int] = field(default_factory=list)
     events: list[PlannerEvent] = field(default_factory=list)
+    unreachable_steps: list[int] = field(default_factory=list)
 
     @property
     def ooms(self) -> int:
@@ -527,9 +585,7 @@ def simulate(
             size = planner.on_oom(size, step)
         planner.on_step(size, peak_bytes(step, size), step)
         result.sizes.append(size)
+        if planner.budget_unreachable is not None:
+            result.unreachable_steps.append(step)
     result.events.extend(planner.take_events())
     return result
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"

@@ -5,11 +5,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.planner import MicroBatchOOMError, MicroBatchPlanner, PlannerEvent, SimulationResult, simulate
 from lightning_accum.report import AccumulationEvent
+from tests.helpers import TokenModel, token_loss
 
 CAPACITY = 16 * GIB
 BUDGET = 0.9 * CAPACITY  # 14.4 GiB
@@ -439,3 +441,167 @@ def test_no_oscillation_in_a_steady_phase():
     assert late == [], late
     assert len(set(result.sizes[100:])) == 1
     assert result.ooms == 3
+
+
+# ---- shrinking that does not lower the peak (issue 19, item 5) ------------------------------------------------------
+
+MiB = 2**20
+RESIDENT_BUDGET = 440 * MiB  # 0.4297 GiB
+
+
+def resident(step: int, b: int) -> float:
+    """A CPU process whose resident set, 0.43 GiB (440.32 MiB), is over the budget by itself; 20 KiB per sample."""
+    return 0.43 * GIB + 20 * 1024 * b
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.2f} MiB"
+
+
+def run_resident(
+    peak_fn: Callable[[int, int], float] = resident, steps: int = 40, capacity: float = CAPACITY, **kwargs: Any
+) -> tuple[MicroBatchPlanner, SimulationResult]:
+    p = planner(micro_batch_size=683, budget_bytes=RESIDENT_BUDGET, **kwargs)
+    return p, simulate(p, step_batch_size=2048, steps=steps, peak_bytes=peak_fn, capacity_bytes=capacity)
+
+
+@pytest.mark.parametrize("predictive", [True, False])
+def test_a_shrink_that_does_not_lower_the_peak_is_the_last(predictive: bool):
+    # Shrinking from 683 to 293 samples lowers the peak by 7.62 MiB, 20 KiB a sample: at that rate even one sample
+    # peaks over the budget. The issue's CPU run went 683 -> 293 -> 228 -> 187 -> 137 while the peak hardly moved.
+    p, result = run_resident(predictive=predictive)
+    print("\nsizes", sorted(set(result.sizes), reverse=True), "events", [(e.before, e.after) for e in result.events])
+    assert result.sizes[:2] == [683, 293] and set(result.sizes[1:]) == {293}  # before: 683 -> 293 -> ... -> 1
+    assert [(e.kind, e.before, e.after) for e in result.events] == [("shrink", 683, 293)]
+    assert result.unreachable_steps == list(range(1, 40))  # from the step that measured the shrink on
+    message = p.budget_unreachable
+    went = f"from 683 to 293 samples the peak went from {mib(resident(0, 683))} to {mib(resident(0, 293))}"
+    assert message is not None and went in message and "over the budget (440.00 MiB)" in message
+    assert f"even the smallest micro-batch size (1) would peak at {mib(resident(0, 1))}" in message
+
+
+def test_the_reasons_print_enough_digits_to_tell_the_peak_from_the_budget():
+    # 0.4326 GiB against 0.4297 GiB: "peak 0.43 GiB > budget 0.43 GiB" said nothing.
+    p = planner(micro_batch_size=137, budget_bytes=RESIDENT_BUDGET)
+    p.size_for(2048)
+    p.on_step(137, resident(0, 137), step=0)
+    assert (
+        p.events[-1].reason
+        == f"peak {mib(resident(0, 137))} > budget 440.00 MiB"
+        == "peak 443.00 MiB > budget 440.00 MiB"
+    )
+    p = planner(micro_batch_size=64, budget_bytes=GIB)
+    p.size_for(64)
+    p.on_step(64, GIB + MiB, step=0)
+    assert p.events[-1].reason == "peak 1.001 GiB > budget 1.000 GiB"
+
+
+def test_an_oom_still_shrinks_while_the_planner_holds():
+    def tight_later(step: int, b: int) -> float:  # from step 10 the device holds less than 293 samples need
+        return resident(step, b) + (CAPACITY if step >= 10 and b > 200 else 0.0)
+
+    _, result = run_resident(tight_later, steps=20)
+    # Halved: the fixed part alone is predicted over the budget, so no size is predicted to fit.
+    assert result.oom_steps == [10] and result.sizes[9] == 293 and result.sizes[10] == balanced(146, 2048)
+    assert set(result.sizes[10:]) == {result.sizes[10]}  # and holds again there: shrinking still does not help
+    assert [e.kind for e in result.events] == ["shrink", "oom_recovered"]
+
+
+def test_the_hold_ends_when_the_fixed_memory_falls_under_the_budget():
+    def freed_later(step: int, b: int) -> float:  # from step 10, 3 MiB of resident memory is given back
+        return resident(step, b) - (3 * MiB if step >= 10 else 0.0)
+
+    _, result = run_resident(freed_later, steps=30)
+    fitting = result.sizes[-1]
+    assert result.sizes[9] == 293 and fitting < 293 and freed_later(30, fitting) <= RESIDENT_BUDGET
+    assert freed_later(30, fitting + 1) > RESIDENT_BUDGET  # the largest that fits: 137
+    assert result.unreachable_steps == list(range(1, 10))
+
+
+def test_a_new_phase_shrinks_again_then_holds_again():
+    # From step 10 a sample costs 40 times as much (longer sequences): the peak at 293 moves from 446.04 to 669.22
+    # MiB, further from the model's prediction than `refit_tolerance`. A change within it refines the model instead,
+    # and the hold stays: the fixed part is still over the budget, and an OOM would still shrink.
+    def longer_sequences(step: int, b: int) -> float:
+        return 0.43 * GIB + 20 * 1024 * b * (40 if step >= 10 else 1)
+
+    _, result = run_resident(longer_sequences, steps=30)
+    shrinks = [(e.step, e.before, e.after) for e in result.events if e.kind == "shrink"]
+    print("\nlonger sequences from step 10:", shrinks, "held from", result.unreachable_steps[9:11])
+    assert shrinks[0] == (0, 683, 293) and shrinks[1][:2] == (10, 293)  # the model starts over, so does shrinking
+    assert result.sizes[-1] < 293 and len(set(result.sizes[15:])) == 1  # and stops where it no longer helps
+    assert result.unreachable_steps[-1] == 29 and longer_sequences(29, result.sizes[-1]) > RESIDENT_BUDGET
+
+
+def test_the_hold_survives_a_checkpoint_and_an_old_checkpoint_still_loads():
+    original, _ = run_resident(steps=5)
+    state = original.state_dict()
+    assert state["shrink_start"] == [683, resident(0, 683)]
+    restored = planner(micro_batch_size=683, budget_bytes=RESIDENT_BUDGET)
+    restored.load_state_dict(state)
+    rest = simulate(
+        restored, step_batch_size=2048, steps=10, peak_bytes=resident, capacity_bytes=CAPACITY, first_step=5
+    )
+    assert set(rest.sizes) == {293} and rest.events == [] and rest.unreachable_steps == list(range(5, 15))
+    old = {k: v for k, v in state.items() if k != "shrink_start"}  # written before the hold existed
+    restored.load_state_dict(old)
+    assert restored.state_dict()["shrink_start"] is None
+    again = simulate(
+        restored, step_batch_size=2048, steps=3, peak_bytes=resident, capacity_bytes=CAPACITY, first_step=5
+    )
+    assert again.sizes == [293, balanced(146, 2048), balanced(146, 2048)]  # it measures its own shrink, then holds
+
+
+# ---- ... and in a real CPU run ---------------------------------------------------------------------------------------
+
+
+class WideActivationModel(TokenModel):
+    """Per-token regression whose forward pass also materialises a (b, T, 2**14) activation: 512 KiB a sample."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.01)
+        self.split_mode = True
+        self.step_sizes: list[int] = []
+        self._sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self._sizes.append(len(batch["x"]))
+        wide = batch["x"].sum(-1, keepdim=True) * torch.ones(1, 1 << 14)
+        per_token = (self.layer(batch["x"]).squeeze(-1) - batch["y"]) ** 2 + 0 * wide.mean(-1)
+        return (per_token * batch["mask"]).sum() / batch["mask"].sum().clamp(min=1)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_sizes.append(max(self._sizes))
+        self._sizes = []
+
+
+def test_in_a_real_cpu_run_the_planner_stops_shrinking_once_it_stops_helping(tmp_path):
+    import copy
+    import gc
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
+    from tests.helpers import FP32, TokenDataset, assert_grads_close, count_tokens, make_trainer, replay_reference
+
+    # The budget is under the process's own resident set: no micro-batch can meet it. Freed heap memory that earlier
+    # tests left resident goes back to the system first, or the resident set could fall under the budget mid-run.
+    gc.collect()
+    trim_cpu_heap()
+    budget = CPUBackend().current_bytes() - 8 * MiB
+    callback = AutoMicroBatching(64, max_memory=budget, count_items=count_tokens)
+    model, dataset = WideActivationModel(), TokenDataset(64 * 8)
+    initial = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [callback], max_steps=8).fit(model, DataLoader(dataset, batch_size=64))
+    said = [str(w.message) for w in caught if "over the budget" in str(w.message)]
+    print("\nsizes", model.step_sizes, [(e.kind, e.before, e.after, e.reason) for e in callback.events])
+    print("\n".join(said))
+    assert model.step_sizes == [64] + [32] * 7  # before: 64, 32, 16, 8, 4, 2, 1, 1
+    assert [(e.kind, e.before, e.after) for e in callback.events] == [("shrink", 64, 32)]
+    assert len(said) == 1 and "shrinking the micro-batch does not bring it down: from 64 to 32 samples" in said[0]
+    expected = replay_reference(initial, dataset, model.step_indices, lambda m, b: token_loss(m, b), lr=0.01)
+    assert_grads_close(model.step_grads, expected, **FP32)  # still exact, only not within the budget

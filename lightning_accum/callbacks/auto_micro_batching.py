@@ -690,7 +690,7 @@ class AutoMicroBatching(AccumulationOwner):
         self.planner.set_step_batch_size(step_batch_size)
         planned = self.planner.on_step(size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
         self._size_shrunk = planned < size
-        self._warn_if_budget_unreachable(peak, size)
+        self._warn_if_budget_unreachable()
         if self._totals is not None:
             totals, self._totals = self._totals, None
             self._publish_step("split", size, totals, self._window_loss, peak, self.planner.budget_bytes)
@@ -698,18 +698,12 @@ class AutoMicroBatching(AccumulationOwner):
         # logged micro-batch size changes (an OOM's events belong to the step that recovered, reported above).
         self._take_planner_events(trainer)
 
-    def _warn_if_budget_unreachable(self, peak: int, size: int) -> None:
-        budget = self.planner.budget_bytes
-        if self._warned_unreachable or budget is None:
-            return
-        if size <= self.planner.min_micro_batch_size and peak > budget:
+    def _warn_if_budget_unreachable(self) -> None:
+        # The planner says when shrinking cannot meet the budget (at the smallest size, or shrinks that did not lower
+        # the peak); once per fit is enough.
+        if self.planner.budget_unreachable is not None and not self._warned_unreachable:
             self._warned_unreachable = True
-            rank_zero_warn(
-                f"The step's peak memory ({peak / GIB:.2f} GiB) is over the budget ({budget / GIB:.2f} GiB) even"
-                f" at the smallest micro-batch size ({size}): most of the memory does not depend on the"
-                " micro-batch, so shrinking cannot meet the budget. Raise `max_memory`, or lower the fixed memory"
-                " (a smaller model or optimizer state, a sharded strategy)."
-            )
+            rank_zero_warn(self.planner.budget_unreachable)
 
     def _take_planner_events(self, trainer: pl.Trainer) -> None:
         for event in self.planner.take_events():

@@ -7,14 +7,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_accum.memory.budget import GIB
+from lightning_accum.memory.sizes import UNITS, format_size, size_unit
 from lightning_accum.memory.tracker import CATEGORIES
 
 if TYPE_CHECKING:
     from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
-_MiB = 2**20
-_GiB = GIB
+_FACTORS = dict(UNITS)
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52"}
 
 
@@ -56,23 +55,23 @@ def _comparison_lines(result: ProbeResult, c: dict[str, Any]) -> list[str]:
     else:
         verdict = f"both peaks are set in the {result.measurement(big, 1).peak_phase} phase, which b does not change"
     full_vs_acc = (
-        f"Full batch vs accumulation (k={k}): B={big} in one pass peaks at {_mib(c['full_batch_bytes'])}; "
-        f"{k} micro-batches of {b} peak at {_mib(c['accumulation_bytes'])}, "
+        f"Full batch vs accumulation (k={k}): B={big} in one pass peaks at {format_size(c['full_batch_bytes'])}; "
+        f"{k} micro-batches of {b} peak at {format_size(c['accumulation_bytes'])}, "
         f"{_signed(saved, 'lower', 'higher')}. "
         + (
             ""
             if expected is None
             else f"The activation memory of the B-b={big - b} samples no longer in flight is about "
-            f"{_mib(expected)} (fitted per-sample bytes x {big - b}), and "
+            f"{format_size(expected)} (fitted per-sample bytes x {big - b}), and "
         )
-        + f"accumulation adds up to one gradient copy ({_mib(grad)}): {verdict}."
+        + f"accumulation adds up to one gradient copy ({format_size(grad)}): {verdict}."
     )
     copies = c["extra_in_gradient_copies"]
     acc_vs_same = (
         f"Accumulation vs the same micro-batch without it (b={b}): k={k} peaks at "
-        f"{_mib(c['accumulation_bytes'])}, k=1 at {_mib(c['same_micro_batch_bytes'])}, "
+        f"{format_size(c['accumulation_bytes'])}, k=1 at {format_size(c['same_micro_batch_bytes'])}, "
         f"{_signed(c['extra_vs_same_micro_batch_bytes'], 'higher', 'lower')}"
-        f"{'' if copies is None else f' = {copies:.2f} gradient copies'} (one copy is {_mib(grad)}): "
+        f"{'' if copies is None else f' = {copies:.2f} gradient copies'} (one copy is {format_size(grad)}): "
         + (
             "the gradient buffer stays alive through every forward pass after the first."
             if c["extra_vs_same_micro_batch_bytes"] > 0
@@ -90,7 +89,7 @@ def _activation_lines(result: ProbeResult) -> list[str]:
     if not same_b:
         return []
     ms = max(same_b, key=len)
-    acts = ", ".join(f"k={m.accumulation_steps}: {_mib(m.breakdown['activations'])}" for m in ms)
+    acts = ", ".join(f"k={m.accumulation_steps}: {format_size(m.breakdown['activations'])}" for m in ms)
     return [
         f"The micro-batch size, not k, sets activation memory: at b={ms[0].micro_batch_size}, activations at "
         f"the peak are {acts}. Raising k at a fixed micro-batch does not save memory; it only raises the "
@@ -103,7 +102,7 @@ def _fit_lines(result: ProbeResult) -> list[str]:
     if fixed is None or slope is None:
         return []
     error = "" if result.holdout_error is None else f"; error on held-out sizes {result.holdout_error:.1%}"
-    return [f"Fitted peak(b) = {_mib(fixed)} + {_human(slope)} x b with accumulation{error}."]
+    return [f"Fitted peak(b) = {format_size(fixed)} + {format_size(slope)} x b with accumulation{error}."]
 
 
 def _budget_lines(result: ProbeResult) -> list[str]:
@@ -118,13 +117,13 @@ def _budget_lines(result: ProbeResult) -> list[str]:
     if b is None:
         return [
             f"With a budget of {_budget_text(result.budget_bytes)} not even b=1 fits (predicted "
-            f"{_mib(result.peak_model.predict(1))}): shard the model or lower its memory."
+            f"{format_size(result.peak_model.predict(1))}): shard the model or lower its memory."
         ]
     k = math.ceil(result.batch_size / b)
     kept = f", keeping {result.headroom:.0%} of it free" if result.headroom else ""
     return [
         f"With a budget of {_budget_text(result.budget_bytes)}{kept} the largest micro-batch that fits is b={b} "
-        f"(predicted {_mib(result.peak_model.predict(b))}); use k={k} to keep the effective batch at "
+        f"(predicted {format_size(result.peak_model.predict(b))}); use k={k} to keep the effective batch at "
         f"{result.batch_size}."
     ]
 
@@ -175,12 +174,23 @@ def snippet(result: ProbeResult) -> str | None:
 # ---- the table and the JSON -----------------------------------------------------------------------------------------
 
 
+def table_unit(result: ProbeResult) -> str:
+    """The one unit of the table's columns: the unit that reads best for its largest peak (``"MiB"``, ``"GiB"``)."""
+    peaks = [m.peak_bytes for m in result.measurements] + [m.device_peak_bytes or 0 for m in result.measurements]
+    return size_unit(max(peaks, default=0))
+
+
 def table(result: ProbeResult) -> str:
-    """The measurements as a fixed-width text table (MiB), followed by the findings."""
+    """The measurements as a fixed-width text table (in `table_unit`), followed by the findings."""
     cuda = any(m.device_peak_bytes is not None for m in result.measurements)
     headers = ["b", "k", "b*k", "peak", "params", "grads", "optim", "activ.", "peak phase", "fit pred."]
     if cuda:
         headers.append("cuda max alloc")
+    unit = table_unit(result)
+
+    def cell(nbytes: float) -> str:
+        return format_size(nbytes, unit).removesuffix(f" {unit}")
+
     rows = []
     for m in result.measurements:
         pred = result.peak_model.predict(m.micro_batch_size) if result.peak_model.fitted() else None
@@ -188,19 +198,19 @@ def table(result: ProbeResult) -> str:
             str(m.micro_batch_size),
             str(m.accumulation_steps),
             str(m.effective_batch_size),
-            f"{m.peak_bytes / _MiB:.2f}",
-            *(f"{m.breakdown.get(c, 0) / _MiB:.2f}" for c in CATEGORIES),
+            cell(m.peak_bytes),
+            *(cell(m.breakdown.get(c, 0)) for c in CATEGORIES),
             m.peak_phase,
-            "" if pred is None or m.accumulation_steps == 1 else f"{pred / _MiB:.2f}",
+            "" if pred is None or m.accumulation_steps == 1 else cell(pred),
         ]
         if cuda:
-            row.append("" if m.device_peak_bytes is None else f"{m.device_peak_bytes / _MiB:.2f}")
+            row.append("" if m.device_peak_bytes is None else cell(m.device_peak_bytes))
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     what = "Peak live tensor memory" if result.target is None else "Predicted peak live tensor memory"
     lines = [
-        f"{what} in MiB on {result.device}, {result.precision}; full batch B={result.batch_size}; parameters "
-        f"{_mib(result.parameter_bytes)}, one gradient copy {_mib(result.gradient_bytes)}.",
+        f"{what} in {unit} on {result.device}, {result.precision}; full batch B={result.batch_size}; parameters "
+        f"{format_size(result.parameter_bytes)}, one gradient copy {format_size(result.gradient_bytes)}.",
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
@@ -254,7 +264,25 @@ def to_dict(result: ProbeResult) -> dict[str, Any]:
 
 
 def plot(result: ProbeResult, path: str | Path) -> Path:
-    """Write a PNG: stacked peak breakdown per configuration, and peak against ``b`` with the fitted line.
+    """Write `figure` as a PNG to ``path``.
+
+    Raises:
+        ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
+    """
+    fig = figure(result)  # first: it says how to install matplotlib if it is missing
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(result: ProbeResult) -> Any:
+    """A matplotlib figure: the stacked peak breakdown per configuration, and peak against ``b``.
+
+    The second panel has the fitted line, the budget, the part of it the recommendation measures against (the budget
+    less its `headroom`, drawn when there is one) and the recommended ``b``, each labelled.
 
     Raises:
         ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
@@ -268,79 +296,81 @@ def plot(result: ProbeResult, path: str | Path) -> Path:
         raise ModuleNotFoundError(
             "`ProbeResult.plot` needs matplotlib: pip install 'lightning-accum[report]'."
         ) from err
-    path = Path(path)
     fig, (ax_bar, ax_fit) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
-    _plot_breakdown(ax_bar, result)
-    _plot_fit(ax_fit, result)
+    unit = table_unit(result)
+    _plot_breakdown(ax_bar, result, unit)
+    _plot_fit(ax_fit, result, unit)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _plot_breakdown(ax: Any, result: ProbeResult) -> None:
+def _plot_breakdown(ax: Any, result: ProbeResult, unit: str) -> None:
     ms = list(result.measurements)  # run order: (B, 1), then (B/k, k) next to (B/k, 1), then fit points
     x = range(len(ms))
     bottom = [0.0] * len(ms)
     for cat in CATEGORIES:
-        heights = [m.breakdown.get(cat, 0) / _MiB for m in ms]
+        heights = [m.breakdown.get(cat, 0) / _FACTORS[unit] for m in ms]
         ax.bar(x, heights, bottom=bottom, color=_COLORS[cat], label=cat.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for i, m in enumerate(ms):
         if m.device_peak_bytes is not None:
-            ax.plot([i - 0.4, i + 0.4], [m.device_peak_bytes / _MiB] * 2, color="black", lw=1.5)
+            ax.plot([i - 0.4, i + 0.4], [m.device_peak_bytes / _FACTORS[unit]] * 2, color="black", lw=1.5)
     ax.set_xticks(list(x), [f"b={m.micro_batch_size}\nk={m.accumulation_steps}" for m in ms], fontsize=8)
-    ax.set_ylabel("peak live tensor memory (MiB)")
+    ax.set_ylabel(f"peak live tensor memory ({unit})")
     ax.set_title(f"Peak by configuration (B={result.batch_size}, {result.device})")
     ax.legend(fontsize=8)
 
 
-def _plot_fit(ax: Any, result: ProbeResult) -> None:
+def _plot_fit(ax: Any, result: ProbeResult, unit: str) -> None:
+    scale = _FACTORS[unit]
     acc = [m for m in result.measurements if m.accumulation_steps > 1]
     one = [m for m in result.measurements if m.accumulation_steps == 1]
     held = set(result.holdout_sizes)
     fit_pts = [m for m in acc if m.micro_batch_size not in held]
     held_pts = [m for m in acc if m.micro_batch_size in held]
-    ax.scatter([m.micro_batch_size for m in fit_pts], [m.peak_bytes / _MiB for m in fit_pts], label="k>=2")
+    ax.scatter([m.micro_batch_size for m in fit_pts], [m.peak_bytes / scale for m in fit_pts], label="k>=2")
     if held_pts:
         ax.scatter(
             [m.micro_batch_size for m in held_pts],
-            [m.peak_bytes / _MiB for m in held_pts],
+            [m.peak_bytes / scale for m in held_pts],
             marker="D",
             facecolors="none",
             edgecolors="C0",
             label="k>=2, held out (error check)",
         )
-    ax.scatter([m.micro_batch_size for m in one], [m.peak_bytes / _MiB for m in one], marker="x", label="k=1")
+    ax.scatter([m.micro_batch_size for m in one], [m.peak_bytes / scale for m in one], marker="x", label="k=1")
     if result.peak_model.fitted():
         xs = [1, result.batch_size]
-        ax.plot(xs, [result.peak_model.predict(b) / _MiB for b in xs], color="C0", lw=1, label="fit (k>=2)")
-    if result.budget_bytes is not None:
-        ax.axhline(result.budget_bytes / _MiB, color="grey", ls="--", label="budget")
+        ax.plot(xs, [result.peak_model.predict(b) / scale for b in xs], color="C0", lw=1, label="fit (k>=2)")
+    _plot_budget(ax, result, scale)
     ax.set_xlabel("micro-batch size b")
-    ax.set_ylabel("peak (MiB)")
+    ax.set_ylabel(f"peak ({unit})")
     error = "" if result.holdout_error is None else f", held-out error {result.holdout_error:.1%}"
     ax.set_title(f"peak(b){error}")
     ax.legend(fontsize=8)
 
 
+def _plot_budget(ax: Any, result: ProbeResult, scale: int) -> None:
+    """The budget, what the recommendation measures against (the budget less its headroom), and the ``b`` it gives."""
+    budget = result.budget_bytes
+    if budget is None:
+        return
+    ax.axhline(budget / scale, color="grey", ls="--", label=f"budget {format_size(budget)}")
+    usable = budget * (1 - result.headroom)
+    if result.headroom:
+        label = f"budget less {result.headroom:.0%} kept free: {format_size(usable)}"
+        ax.axhline(usable / scale, color="C3", ls="-.", label=label)
+    b = result.fitting_micro_batch_size
+    if b is not None:
+        ax.axvline(b, color="C2", ls=":", label=f"b={b}: the largest predicted to fit {format_size(usable)}")
+
+
 # ---- numbers --------------------------------------------------------------------------------------------------------
-
-
-def _mib(value: float) -> str:
-    return f"{value / _MiB:.2f} MiB"
-
-
-def _human(value: float) -> str:
-    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 def _size_text(value: float) -> int | str:
     """``"8GiB"`` for a whole number of a unit, else the whole bytes (``max_memory`` reads both)."""
-    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", 2**10)):
+    for unit, size in UNITS[1:-1]:  # GiB, MiB, KiB: the units `max_memory` strings are written in
         if value >= size and value % size == 0:
             return f"{int(value // size)}{unit}"
     return int(value)
@@ -349,8 +379,8 @@ def _size_text(value: float) -> int | str:
 def _budget_text(value: float) -> str:
     """A budget as the user likely wrote it: ``100MiB`` for a whole number of a unit, else in GiB."""
     size = _size_text(value)
-    return size if isinstance(size, str) else f"{value / _GiB:.3g} GiB"
+    return size if isinstance(size, str) else format_size(value)
 
 
 def _signed(value: float, positive: str, negative: str) -> str:
-    return f"{_mib(abs(value))} {positive if value >= 0 else negative}"
+    return f"{format_size(abs(value))} {positive if value >= 0 else negative}"

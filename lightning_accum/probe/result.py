@@ -139,7 +139,7 @@ class ProbeResult:
         return report.findings(self)
 
     def table(self) -> str:
-        """The measurements as a fixed-width text table (MiB), followed by `findings`."""
+        """The measurements as a fixed-width text table (in one unit, picked from its peaks), then `findings`."""
         return report.table(self)
 
     def to_dict(self) -> dict[str, Any]:

@@ -441,7 +441,7 @@ def test_resume_restores_the_planner(tmp_path):
 
 def test_a_budget_that_no_size_can_meet_is_reported_once(tmp_path):
     callback = AutoMicroBatching(4, max_memory=2**20, min_micro_batch_size=2, count_items=count_tokens)
-    with pytest.warns(UserWarning, match=r"over the budget \(0.00 GiB\) even at the smallest micro-batch size \(2\)"):
+    with pytest.warns(UserWarning, match=r"over the budget \(1.00 MiB\) even at the smallest micro-batch size \(2\)"):
         model, expected, _ = fit_split(tmp_path, callback, n=64)
     assert_grads_close(model.step_grads, expected, **FP32)  # still exact, just not within budget
 

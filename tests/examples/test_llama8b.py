@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from examples.llama8b.model import LLAMA3_8B, TINY, LlamaLM
-from examples.llama8b.table import cross_check, probe_on_meta
+from examples.llama8b.table import GPUS, GiB, KiB, MiB, cross_check, fits, gpu_rows, probe_on_meta
 
 
 def test_8b_builds_on_meta_with_the_published_parameter_count():
@@ -35,3 +35,17 @@ def test_a_traced_8b_layer_matches_the_parameter_arithmetic():
     checks = cross_check(result.measurement(1, 2), layers=1)
     assert all(row.endswith("| yes |") for row in checks[2:]), "\n".join(checks)
     assert result.parameter_bytes == 2 * config.parameter_count()
+
+
+def test_what_an_80_gb_card_leaves_for_tensors():
+    # The cards' binary sizes as nvidia-smi reports them, not the datasheets' decimal "80 GB" (74.5 GiB) and "141 GB".
+    sizes = {gpu.name: round(gpu.nvidia_smi_mib * MiB / GiB, 2) for gpu in GPUS}
+    assert sizes == {"A100 80GB": 80.0, "H100 80GB HBM3": 79.65, "H200": 140.4}
+    a100, h100, h200 = GPUS
+    # What PyTorch sees, less the CUDA context (0.5 GiB) and a cuBLAS and a cuBLASLt workspace (32 MiB each on Hopper).
+    assert h100.left_bytes == 79.18 * GiB - 512 * MiB - 64 * MiB
+    assert a100.left_bytes == 79.15 * GiB - 512 * MiB - 2 * (8 * MiB + 128 * KiB)
+    # The 8B's peaks (docs/memory.md): 74.79 and 75.84 GiB fit both 80 GB cards; 172.92 GiB fits none of them.
+    assert fits(74.79 * GiB, h100) == "fits, 3.83 GiB to spare" and fits(75.84 * GiB, a100) == "fits, 2.79 GiB to spare"
+    assert fits(172.92 * GiB, h200) == "33.68 GiB short"
+    assert [row.count("**") for row in gpu_rows()[2:]] == [2, 2, 2]

@@ -243,7 +243,7 @@ def test_cli_predicts_for_cuda_in_bf16_and_ends_with_the_snippet(capsys, measuri
     argv = [*SMALL, "--device", "meta", "--target", "cuda", "--precision", "bf16-true", "--budget-gib", "0.001"]
     outcome = run_cli(capsys, *PROBE, *argv)
     assert outcome.code == 0, outcome
-    assert outcome.out.startswith("Predicted peak live tensor memory in MiB on meta (as cuda), bf16-true")
+    assert outcome.out.startswith("Predicted peak live tensor memory in KiB on meta (as cuda), bf16-true")
     assert "Ready to paste (split mode):\nAutoMicroBatching(micro_batch_size=" in outcome.out
     assert "class_path: lightning_accum.AutoMicroBatching" in outcome.out
 

@@ -97,7 +97,7 @@ def test_meta_result_says_it_is_a_prediction():
         0.1,
     )
     table = result.table()
-    assert table.startswith("Predicted peak live tensor memory in MiB on meta (as cuda), bf16-true")
+    assert table.startswith("Predicted peak live tensor memory in KiB on meta (as cuda), bf16-true")
     assert "Not seen: the CUDA context" in table and "keeping 10% of it free" in table
     assert result.to_dict()["target"] == "cuda"
     assert isinstance(torch.empty(0), torch.Tensor)  # fake mode was left: tensors are real again
