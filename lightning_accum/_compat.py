@@ -537,3 +537,19 @@ def fsdp2_unsharded_for_step(module: Any) -> Iterator[None]:
             for g, (mesh_info, after_backward) in zip(_param_groups(state), settings, strict=True):
                 g.post_forward_mesh_info = mesh_info
                 g.reshard_after_backward = after_backward
+
+
+# A LightningModule's `device` property reads `_device`, which `.to()` updates without looking at the parameters
+# (`_DeviceDtypeModuleMixin` and `_update_properties` in `lightning/fabric/utilities/device_dtype_mixin.py`, 2.0 to
+# 2.6). `tests/probe/test_preflight.py` fails if a traced copy's `self.device` stops reading what is set here.
+def report_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Make ``module.device`` (and its sub-LightningModules') read ``device``, without moving anything.
+
+    The pre-flight's fake copy of a module on CUDA computes on fake CPU tensors: a tensor that ``training_step`` makes
+    on ``self.device`` must be made there too.
+    """
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    for sub in module.modules():
+        if isinstance(sub, _DeviceDtypeModuleMixin):
+            sub._device = device

@@ -129,8 +129,8 @@ class FakeTarget:
         """Deep copies of ``module`` and ``optimizers`` whose tensors are fake: no real weight or state is copied.
 
         The copies share their fake parameters as the originals share theirs (tied weights, param groups), and
-        the optimizers keep any state they already hold (a resumed run), as fake tensors. Call it outside the
-        context: it enters it itself, once it has read the local shards of a sharded model.
+        the optimizers keep any state they already hold (a resumed run), as fake tensors. It enters the context
+        itself, once it has read a sharded model's local shards; for a sharded model, call it outside the context.
 
         A model sharded with FSDP2 (``fully_shard``) is copied without ``copy.deepcopy``, which FSDP2 refuses: each
         FSDP2 module becomes a plain module of the class it wrapped, without FSDP2's hooks, that computes with fake

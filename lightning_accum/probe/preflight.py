@@ -2,11 +2,14 @@
 
 `AutoMicroBatching("auto")` starts cold by halving from the whole step batch, and a failed attempt leaves no peak to
 fit. `preflight` traces the step instead: a fake copy of the module and its optimizers (no weight, state or batch is
-copied for real) runs a warm-up step, then one step of two micro-batches at each of two sizes, under a
-`lightning_accum.memory.tracker.MemoryTracker`. The two peaks fit the same
-`lightning_accum.memory.model.LinearPeakModel` the planner uses. Where tracing fails (an op without a fake
-implementation, a data-dependent shape, a ``.item()`` in ``training_step``, an attribute ``deepcopy`` refuses), the
-result holds no model and says why, and the caller falls back to probing for the size.
+copied for real) runs a warm-up micro-batch, then one step of two micro-batches at each of two sizes, under a
+`lightning_accum.memory.tracker.MemoryTracker`: `TRACED_TRAINING_STEPS` calls of ``training_step``, during which
+`in_preflight` is true. The two peaks fit the same `lightning_accum.memory.model.LinearPeakModel` the planner uses.
+The copy's ``self.trainer`` is a read-only view of the real Trainer, and a model sharded with FSDP2 is traced as
+split mode runs it (`lightning_accum.memory.fake.FakeStep`). Where tracing fails (an op without a fake
+implementation, a data-dependent shape, a ``.item()`` in ``training_step``, an attribute ``deepcopy`` refuses, a
+write to the Trainer), the result holds no model and says why, and the caller falls back to probing for the size
+(`fallback_warning` says so).
 
 The traced peaks count live tensors only, so `Preflight.starting_micro_batch_size` predicts what a step *adds* to
 the memory in use now, and fits it in what is free (under the budget, and under what the device can still
@@ -46,6 +49,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_accum import _compat
 from lightning_accum._validation import check_int
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeStep, FakeTarget
 from lightning_accum.memory.model import LinearPeakModel
@@ -63,8 +67,9 @@ class Preflight:
         peak_model: the fit of the traced peaks, or ``None`` when tracing failed.
         reason: why tracing failed (the error's type and first line), or ``None``.
         peaks: the traced peak of live tensors for each micro-batch size.
-        baseline_bytes: live tensors when the trace started: parameters, buffers, optimizer state already there,
-            the step batch. The device holds these now too; the difference is what the trace can't see.
+        baseline_bytes: live tensors when the trace started: parameters (under FSDP2 this rank's shards, not the
+            unsharded parameters a step gathers), buffers, optimizer state already there, the step batch. The device
+            holds these now too; the difference is what the trace can't see.
         seconds: how long the pre-flight took.
     """
 
@@ -161,7 +166,8 @@ def preflight(
     copied as fake tensors on the CPU; for a module on CUDA the prediction is for CUDA (see
     `lightning_accum.memory.fake.FakeTarget`). Nothing real is touched: not the weights, the optimizer state, the
     random number generator nor the module's Trainer. The copy's ``self.trainer`` is a read-only view of the real
-    one (its progress, its settings; no logger), and its ``self.log`` does nothing.
+    one (its progress, its settings; no logger), its ``self.device`` is the fake tensors' (the CPU), and its
+    ``self.log`` does nothing.
 
     A model sharded with FSDP2 (``fully_shard``) is traced as split mode runs it: on fake unsharded parameters,
     whose gradients accumulate unsharded and are reduce-scattered into fake shards after the last backward, and
@@ -294,9 +300,11 @@ def _as_in_training(
     """Make the copy's ``training_step`` see what it would see in training, and `in_preflight` true.
 
     ``self.trainer`` is a read-only view of the real Trainer (`_TrainerView`), ``self.optimizers()`` gives the
-    copied optimizers, and ``self.log`` does nothing: the values are fake, and would go to the real Trainer.
+    copied optimizers, ``self.device`` is the fake tensors' device, and ``self.log`` does nothing: the values are
+    fake, and would go to the real Trainer.
     """
     global _tracing
+    _compat.report_device(model, torch.device("cpu"))  # where fake tensors live, whatever device they stand for
     for sub in model.modules():
         if isinstance(sub, pl.LightningModule):
             sub.log = sub.log_dict = _ignore  # type: ignore[method-assign]

@@ -245,3 +245,22 @@ def test_in_preflight_is_public():
     import lightning_accum
 
     assert lightning_accum.in_preflight is in_preflight and "in_preflight" in lightning_accum.__all__
+
+
+class _MakesTensorsOnItsDevice(_Stack):
+    """InfoNCE's way of making its labels: on ``self.device``, ``arange(n, device=self.device)``."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        labels = torch.arange(len(x), device=self.device)
+        return nn.functional.cross_entropy(self.net(x), labels)
+
+
+def test_the_trace_runs_a_training_step_that_makes_tensors_on_self_device():
+    model = _MakesTensorsOnItsDevice(width=16, depth=2)  # 16 classes: the labels of an 8-sample batch
+    # As if on CUDA: `self.device` reads what `.to()` set, so the copy made its tensors there, not on the fake
+    # tensors' CPU, and the trace fell back (FakeTensorDeviceMismatchError: cuda:0 and cpu).
+    model._device = torch.device("cuda", 0)
+    found = preflight(model, (torch.randn(8, 16), torch.randn(8, 1)), (2, 4))
+    assert found.reason is None, found.reason
+    assert model.device == torch.device("cuda", 0)  # the real module's, untouched
