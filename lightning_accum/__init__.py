@@ -5,6 +5,7 @@ from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.callbacks.accumulation_scheduler import AccumulationScheduler
 from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.manual import ManualAccumulation
+from lightning_accum.probe.preflight import in_preflight
 from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
 
 __version__ = "0.1.0"
@@ -21,4 +22,5 @@ __all__ = [
     "ManualAccumulation",
     "Progress",
     "StepwiseSchedule",
+    "in_preflight",
 ]

@@ -104,18 +104,58 @@ def disable_backward_sync_blocking(strategy: Any) -> Callable[[], None]:
 # does the same for the Trainer. `tests/test_fsdp2.py` counts the reduce-scatters and fails if this stops holding.
 
 
-def fsdp2_modules(module: Any) -> list[Any]:
-    """The FSDP2 modules (``fully_shard``-ed) inside ``module``, outermost first; empty without FSDP2."""
+def _fsdp2_module_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
     except ImportError:
         try:
             from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]  # torch 2.4, 2.5
         except ImportError:
-            return []
-    if not isinstance(module, torch.nn.Module):
+            return None
+    return FSDPModule
+
+
+def fsdp2_modules(module: Any) -> list[Any]:
+    """The FSDP2 modules (``fully_shard``-ed) inside ``module``, outermost first; empty without FSDP2."""
+    fsdp_module = _fsdp2_module_class()
+    if fsdp_module is None or not isinstance(module, torch.nn.Module):
         return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for m in module.modules() if isinstance(m, fsdp_module)]
+
+
+# `fully_shard` swaps a module's class for `FSDP<Class>(FSDPModule, Class)`, whose `__deepcopy__` raises
+# (`_apply_to_module` in `fsdp/_fully_shard/_fsdp_init.py`); it registers the module's forward hooks as methods of its
+# `FSDPState` (`FSDPState.init`, `_register_group_forward_hooks` in `_fsdp_state.py`) and keeps that state in the
+# module's `__dict__` under keys from `generate_state_key` (`_composable/contract.py`): torch 2.6 to 2.13.
+# `tests/test_fsdp2_preflight.py` traces a sharded model and fails if this stops holding.
+_COMPOSABLE_STATE_PREFIX = "__composable_api_state_key"
+
+
+def fsdp2_unwrapped(module: Any) -> tuple[type, dict[str, Any]]:
+    """The class ``fully_shard`` wrapped in ``module``'s, and ``module``'s state without FSDP2's hooks and state.
+
+    What a plain copy of one FSDP2 module is made of: the pre-flight's fake copy of a sharded model runs it without
+    FSDP2 (no all-gather, no reduce-scatter). The state is the one ``__getstate__`` gives (a LightningModule's drops
+    its Trainer); the values are the module's own, not copies.
+    """
+    wrapper = type(module)
+    fsdp_module = _fsdp2_module_class()
+    cls = next((c for c in wrapper.__bases__ if fsdp_module is None or not issubclass(c, fsdp_module)), wrapper)
+    state = dict(cls.__getstate__(module))
+    hook_dicts = {n: v for n, v in state.items() if n.startswith("_") and "hooks" in n and isinstance(v, dict)}
+    fsdp_hooks = {key for hooks in hook_dicts.values() for key, hook in hooks.items() if _is_fsdp2_hook(hook)}
+    plain = {}
+    for name, value in state.items():
+        if name.startswith(_COMPOSABLE_STATE_PREFIX):
+            continue
+        if name in hook_dicts:  # the `*_with_kwargs` and `*_always_called` dicts are keyed by the same handle ids
+            value = type(value)((key, hook) for key, hook in value.items() if key not in fsdp_hooks)
+        plain[name] = value
+    return cls, plain
+
+
+def _is_fsdp2_hook(hook: Any) -> bool:
+    return callable(hook) and str(getattr(hook, "__module__", "")).startswith("torch.distributed.fsdp")
 
 
 @contextlib.contextmanager
@@ -497,3 +537,19 @@ def fsdp2_unsharded_for_step(module: Any) -> Iterator[None]:
             for g, (mesh_info, after_backward) in zip(_param_groups(state), settings, strict=True):
                 g.post_forward_mesh_info = mesh_info
                 g.reshard_after_backward = after_backward
+
+
+# A LightningModule's `device` property reads `_device`, which `.to()` updates without looking at the parameters
+# (`_DeviceDtypeModuleMixin` and `_update_properties` in `lightning/fabric/utilities/device_dtype_mixin.py`, 2.0 to
+# 2.6). `tests/probe/test_preflight.py` fails if a traced copy's `self.device` stops reading what is set here.
+def report_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Make ``module.device`` (and its sub-LightningModules') read ``device``, without moving anything.
+
+    The pre-flight's fake copy of a module on CUDA computes on fake CPU tensors: a tensor that ``training_step`` makes
+    on ``self.device`` must be made there too.
+    """
+    from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
+
+    for sub in module.modules():
+        if isinstance(sub, _DeviceDtypeModuleMixin):
+            sub._device = device

@@ -46,7 +46,7 @@ from lightning_accum.normalization import (
     count_items,
 )
 from lightning_accum.planner import MicroBatchPlanner
-from lightning_accum.probe.preflight import Preflight, preflight
+from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
 from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.step_logs import StepLogCombiner
@@ -383,10 +383,7 @@ class AutoMicroBatching(AccumulationOwner):
         local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
         failed, negative_start = (int(v) for v in max_across_ranks(trainer, local).tolist())
         if failed:
-            log_info(
-                f"lightning_accum: pre-flight fell back to probing from the whole step batch ({why}, on this or"
-                " another rank)"
-            )
+            rank_zero_warn(fallback_warning(why if start is None else None))
             return
         self.planner.start_from(-negative_start)
         found = self.preflight_result

@@ -29,8 +29,11 @@ free for them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -38,6 +41,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from lightning_accum import _compat
 from lightning_accum.memory.precision import replace_tensors
 
 Target = Literal["cpu", "cuda"]
@@ -121,37 +125,82 @@ class FakeTarget:
         shared: dict[int, Any] = {}
         return replace_tensors(module, lambda t: self.fake(t, shared))
 
-    def copy_step(
-        self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
-    ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    def copy_step(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> FakeStep:
         """Deep copies of ``module`` and ``optimizers`` whose tensors are fake: no real weight or state is copied.
 
         The copies share their fake parameters as the originals share theirs (tied weights, param groups), and
-        the optimizers keep any state they already hold (a resumed run), as fake tensors.
+        the optimizers keep any state they already hold (a resumed run), as fake tensors. It enters the context
+        itself, once it has read a sharded model's local shards; for a sharded model, call it outside the context.
+
+        A model sharded with FSDP2 (``fully_shard``) is copied without ``copy.deepcopy``, which FSDP2 refuses: each
+        FSDP2 module becomes a plain module of the class it wrapped, without FSDP2's hooks, that computes with fake
+        unsharded parameters, while the optimizers' copies step fake shards of this rank's size (see `FakeStep`).
 
         Raises:
+            ValueError: if a parameter is a ``DTensor`` that FSDP2 does not manage alone (tensor parallelism).
             Exception: whatever ``copy.deepcopy`` raises for an attribute that cannot be copied.
         """
         optimizers = list(optimizers)
-        memo: dict[int, Any] = {}
-        shared: dict[int, Any] = {}
+        units = _compat.fsdp2_modules(module)
+        with torch.no_grad():  # DTensor methods run on the real tensors: before the mode is on
+            shards = _local_shards(module, units)
+            local_state = {
+                id(v): v.to_local()
+                for opt in optimizers
+                for s in opt.state.values()
+                for v in s.values()
+                if _is_dtensor(v)
+            }
+        with self:
+            memo: dict[int, Any] = {}
+            shared: dict[int, Any] = {}
+            sharded = self._fake_parameters(module, units, shards, memo, shared)
+            for opt in optimizers:
+                for state in opt.state.values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor) and id(value) not in memo:
+                            memo[id(value)] = self._state_tensor(local_state.get(id(value), value), shared)
+            plain = {id(unit): _compat.fsdp2_unwrapped(unit) for unit in units}
+            for unit in units:  # FSDP2 modules are built by hand; `deepcopy` finds them in the memo
+                memo[id(unit)] = plain[id(unit)][0].__new__(plain[id(unit)][0])
+            module_copy = copy.deepcopy(module, memo)
+            for unit in units:
+                memo[id(unit)].__setstate__(copy.deepcopy(plain[id(unit)][1], memo))
+            for key, (_, shard) in sharded.items():  # the optimizers step the shards
+                memo[key] = shard
+            optimizers_copy = copy.deepcopy(optimizers, memo)
+        return FakeStep(module_copy, optimizers_copy, _units_of(units, sharded))
+
+    def _fake_parameters(
+        self,
+        module: nn.Module,
+        units: list[nn.Module],
+        shards: dict[int, torch.Tensor],
+        memo: dict[int, Any],
+        shared: dict[int, Any],
+    ) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+        """Fill ``memo`` with fake parameters and tensor attributes; return each sharded one's (unsharded, shard)."""
+        sharded: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for sub in module.modules():
             for param in sub._parameters.values():
-                if param is not None and id(param) not in memo:
-                    fake = self.fake(param, shared)
-                    memo[id(param)] = nn.Parameter(fake, requires_grad=param.requires_grad)
+                if param is None or id(param) in memo:
+                    continue
+                if id(param) in shards:
+                    grad = param.requires_grad
+                    full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=self.device), grad)
+                    sharded[id(param)] = (full, nn.Parameter(self.fake(shards[id(param)], shared), grad))
+                    memo[id(param)] = full
+                else:
+                    memo[id(param)] = nn.Parameter(self.fake(param, shared), requires_grad=param.requires_grad)
             for value in [*sub._buffers.values(), *vars(sub).values()]:
                 if isinstance(value, torch.Tensor) and id(value) not in memo:
                     memo[id(value)] = self.fake(value, shared)
-        for opt in optimizers:
-            for state in opt.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and id(value) not in memo:
-                        memo[id(value)] = self._state_tensor(value, shared)
-        module_copy, optimizers_copy = copy.deepcopy((module, optimizers), memo)
-        return module_copy, optimizers_copy
+                elif _is_distributed_handle(value):  # a LightningModule's `device_mesh`: shared, not copied
+                    memo[id(value)] = value
+        return sharded
 
     def _state_tensor(self, value: torch.Tensor, shared: dict[int, Any]) -> torch.Tensor:
+        # FSDP2's optimizer state is sharded as its parameters are: `value` is then this rank's local shard.
         # A one-element state (Adam's `step`) is read with `.item()`: it must keep its value, which a fake tensor
         # made inside the mode from a Python number does. `tolist` reads the real tensor without dispatching.
         if value.numel() == 1:
@@ -171,3 +220,146 @@ class FakeTarget:
                     if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                         group["foreach"] = True
         return optimizers
+
+
+@dataclass
+class FakeStep:
+    """What `FakeTarget.copy_step` made: fake copies of a module and its optimizers, and their FSDP2 shards.
+
+    Without FSDP2 the optimizers step the module's own (fake) parameters. With FSDP2 the module computes with fake
+    unsharded parameters, as FSDP2's unsharded parameters during a step, and the optimizers step fake shards of this
+    rank's size. Inside `sharding`, each FSDP2 module's gradients are reduce-scattered into its shards' gradients as
+    soon as its unsharded gradients are complete in a backward with `sync_gradients` on, as FSDP2's post-backward
+    does. FSDP2's own hooks don't run: no all-gather, no collective. A ``MixedPrecisionPolicy`` is not modelled: the
+    copy computes in the parameters' dtype.
+
+    Attributes:
+        module: the fake module.
+        optimizers: the fake optimizers.
+        sharded: per FSDP2 module, innermost first, the (unsharded, shard) pair of each parameter it manages.
+        sync_gradients: whether the next backward reduce-scatters (FSDP2's ``set_requires_gradient_sync``).
+    """
+
+    module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    sharded: list[list[tuple[nn.Parameter, nn.Parameter]]] = field(default_factory=list)
+    sync_gradients: bool = True
+    _waiting: list[set[int]] = field(default_factory=list, repr=False)
+    _in_flight: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        """The fake shards the optimizers step (empty without FSDP2)."""
+        return [shard for unit in self.sharded for _, shard in unit]
+
+    def unsharded_bytes(self, block_bytes: int = 1) -> int:
+        """The unsharded parameters' bytes, each rounded up to ``block_bytes``: FSDP2 holds them only in a step."""
+        sizes = (full.untyped_storage().nbytes() for unit in self.sharded for full, _ in unit)
+        return sum(-(-n // block_bytes) * block_bytes for n in sizes)
+
+    @contextlib.contextmanager
+    def sharding(self) -> Iterator[None]:
+        """Reduce-scatter each FSDP2 module's gradients when they are complete, and before any optimizer step."""
+        handles = [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers if self.sharded]
+        for index, unit in enumerate(self.sharded):
+            for full, _ in unit:
+                if full.requires_grad:
+                    handles.append(full.register_post_accumulate_grad_hook(functools.partial(self._on_grad, index)))
+        self._waiting = [set() for _ in self.sharded]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if not self.sync_gradients:
+            return
+        waiting = self._waiting[index]
+        if not waiting:  # the first gradient of this backward: wait for all of the module's
+            waiting.update(id(full) for full, _ in self.sharded[index] if full.requires_grad)
+        waiting.discard(id(param))
+        if not waiting:
+            self.reduce_scatter(self.sharded[index])
+
+    def _before_step(self, *_: Any) -> None:
+        for unit in self.sharded:  # a module whose parameters were not all used: FSDP2 reduce-scatters it at the end
+            self.reduce_scatter(unit)
+        self._waiting = [set() for _ in self.sharded]
+        self._in_flight.clear()  # FSDP2's final callback of the backward releases the last input
+
+    def reduce_scatter(self, unit: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """Move one FSDP2 module's unsharded gradients to its shards, with the allocations of FSDP2's reduce-scatter.
+
+        FSDP2 (``FSDPParamGroup.post_backward``, ``foreach_reduce``) frees the previous module's reduce-scatter
+        input, copies the unsharded gradients into a new flat one, frees them, and reduce-scatters into a buffer of
+        the shards' size, whose views become the shards' gradients; the input stays alive until the next module's
+        reduce-scatter (one in flight) or the end of the backward. The same allocations run here on fake tensors.
+        """
+        grads = [full.grad for full, _ in unit if full.grad is not None]
+        if not grads:
+            return
+        self._in_flight.clear()
+        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        del grads
+        for full, _ in unit:
+            full.grad = None
+        output = torch.empty(sum(s.numel() for _, s in unit), dtype=unit[0][1].dtype, device=flat.device)
+        offset = 0
+        for _, shard in unit:
+            shard.grad = output[offset : offset + shard.numel()].view_as(shard)
+            offset += shard.numel()
+        self._in_flight.append(flat)
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has no DTensor
+        return False
+    return isinstance(value, DTensor)
+
+
+def _is_distributed_handle(value: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, (DeviceMesh, torch.distributed.ProcessGroup))
+
+
+def _local_shards(module: nn.Module, units: list[nn.Module]) -> dict[int, torch.Tensor]:
+    """This rank's local shard of each ``DTensor`` parameter of ``module``, by the parameter's id.
+
+    Raises:
+        ValueError: if a ``DTensor`` parameter is not managed by an FSDP2 module, or is sharded over more than one
+            mesh dimension: tensor parallelism, whose ``DTensor`` ops a trace on plain fake tensors cannot run.
+    """
+    managed = {id(p) for unit in units for p in unit.parameters()}
+    shards: dict[int, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=True):
+        if not _is_dtensor(param):
+            continue
+        dims = sum(placement.is_shard() for placement in param.placements)
+        if id(param) not in managed or dims > 1:
+            raise ValueError(
+                f"The parameter `{name}` is a DTensor sharded as {param.placements} over a mesh of shape"
+                f" {tuple(param.device_mesh.shape)}, which is more than FSDP2's sharding over data-parallel ranks"
+                " (tensor parallelism): the trace on fake tensors cannot run DTensor ops."
+            )
+        shards[id(param)] = param.to_local()
+    return shards
+
+
+def _units_of(
+    units: list[nn.Module], sharded: dict[int, tuple[nn.Parameter, nn.Parameter]]
+) -> list[list[tuple[nn.Parameter, nn.Parameter]]]:
+    """Each FSDP2 module's (unsharded, shard) pairs, innermost first: a parameter is its innermost module's."""
+    seen: set[int] = set()
+    grouped = []
+    for unit in reversed(units):
+        pairs = [sharded[id(p)] for p in unit.parameters() if id(p) in sharded and id(p) not in seen]
+        seen.update(id(p) for p in unit.parameters())
+        if pairs:
+            grouped.append(pairs)
+    return grouped

@@ -48,7 +48,8 @@ def test_copy_step_copies_no_real_memory_and_keeps_the_optimizer_state():
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
     with FakeTarget() as fake:
-        model_copy, (opt_copy,) = fake.copy_step(model, [opt])
+        step = fake.copy_step(model, [opt])
+        model_copy, (opt_copy,) = step.module, step.optimizers
         state = opt_copy.state[model_copy.weight]
         assert isinstance(model_copy.weight, FakeTensor) and isinstance(state["exp_avg"], FakeTensor)
         assert state["step"].item() == 1  # a one-element state keeps its value
@@ -77,7 +78,7 @@ def test_copies_are_fake_cpu_tensors_whatever_the_real_device(device):
         model = nn.Linear(8, 8)
     model.register_buffer("scale", torch.ones(8, device=device))
     with FakeTarget() as fake:
-        model_copy, _ = fake.copy_step(model, [])
+        model_copy = fake.copy_step(model, []).module
         converted = fake.module(model)
         tensors = [*model_copy.parameters(), *model_copy.buffers(), *converted.parameters(), *converted.buffers()]
         assert {t.device.type for t in tensors} == {"cpu"}

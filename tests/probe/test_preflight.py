@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from examples.char_lm.data import CharLMDataModule
 from examples.char_lm.model import CharLM
+from lightning_accum import AutoMicroBatching
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.tracker import MemoryTracker
 from lightning_accum.probe.measure import optimizers_of, train_step
-from lightning_accum.probe.preflight import Preflight, preflight
+from lightning_accum.probe.preflight import TRACED_TRAINING_STEPS, Preflight, in_preflight, preflight
 from lightning_accum.probe.resolve import batch_factory
 from lightning_accum.splitting import split_batch
+from tests.helpers import make_trainer
 from tests.probe.models import _Stack
 
 CHAR_LM = {"max_length": 128, "d_model": 64, "n_layers": 2, "n_heads": 4}
@@ -126,3 +131,136 @@ def test_starting_micro_batch_size_fits_what_a_step_adds_into_the_free_memory_le
 def test_preflight_checks_the_sizes(sizes, error, match):
     with pytest.raises(error, match=match):
         preflight(_Stack(width=8, depth=1), torch.randn(8, 8), sizes)
+
+
+# ---- issue 18, item 9: a `training_step` that reads the Trainer is traced, sees its progress, and cannot change it --
+
+
+class _ReadsTheTrainer(_Stack):
+    """Reads what schedules and curricula read in `training_step`; records what the traced copy saw."""
+
+    seen: ClassVar[list[tuple]] = []  # on the class: the traced copy's own attributes die with it
+
+    def __init__(self) -> None:
+        super().__init__(width=16, depth=2)
+
+    def training_step(self, batch, batch_idx):
+        lr = self.optimizers().param_groups[0]["lr"]
+        warm = min(1.0, (self.global_step + 1) / self.trainer.max_steps)
+        if in_preflight():
+            type(self).seen.append((self.global_step, self.current_epoch, self.trainer.global_step, lr))
+            self.log("only_in_the_trace", 1.0)
+        return warm * super().training_step(batch, batch_idx)
+
+
+class _TraceAtStep(pl.Callback):
+    """Calls the pre-flight by hand at one optimizer step, with the real progress then."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.found: Preflight | None = None
+        self.trainer_changed: dict[str, tuple] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            before = _trainer_state(trainer)
+            self.found = preflight(pl_module, batch, (2, 4), optimizers=trainer.optimizers)
+            after = _trainer_state(trainer)
+            self.trainer_changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+
+
+def _trainer_state(trainer: pl.Trainer) -> dict:
+    return {
+        "global_step": trainer.global_step,
+        "batches": trainer.fit_loop.epoch_loop.batch_progress.total.completed,
+        "should_stop": trainer.should_stop,
+        "callback_metrics": dict(trainer.callback_metrics),
+    }
+
+
+def _regression_loader(n: int = 32, batch_size: int = 8) -> DataLoader:
+    data = TensorDataset(torch.randn(n, 16), torch.randn(n, 1))
+    return DataLoader(data, batch_size=batch_size)
+
+
+def test_the_trace_reads_the_real_trainers_progress_and_logs_nothing(tmp_path):
+    _ReadsTheTrainer.seen = []
+    tracer = _TraceAtStep(step=3)
+    trainer = make_trainer(tmp_path, [tracer], max_steps=5, max_epochs=2)
+    trainer.fit(_ReadsTheTrainer(), _regression_loader())  # 4 steps an epoch: step 3 is the last of epoch 0
+    assert tracer.found is not None and tracer.found.reason is None, tracer.found
+    assert _ReadsTheTrainer.seen == [(3, 0, 3, 0.1)] * TRACED_TRAINING_STEPS
+    assert tracer.trainer_changed == {}
+    assert "only_in_the_trace" not in trainer.callback_metrics and "train_loss" in trainer.callback_metrics
+
+
+def test_auto_micro_batching_traces_a_training_step_that_reads_the_trainer(tmp_path):
+    _ReadsTheTrainer.seen = []
+    callback = AutoMicroBatching("auto")
+    make_trainer(tmp_path, [callback], max_steps=2).fit(_ReadsTheTrainer(), _regression_loader(batch_size=16))
+    found = callback.preflight_result
+    assert found is not None and found.reason is None and sorted(found.peaks) == [4, 8]
+    assert _ReadsTheTrainer.seen == [(0, 0, 0, 0.1)] * TRACED_TRAINING_STEPS
+
+
+class _StopsTheRun(_Stack):
+    def training_step(self, batch, batch_idx):
+        self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_trace_cannot_change_the_trainer(tmp_path):
+    tracer = _TraceAtStep(step=0)
+    make_trainer(tmp_path, [tracer], max_steps=3).fit(_StopsTheRun(width=16, depth=2), _regression_loader())
+    assert tracer.found.peak_model is None
+    assert tracer.found.reason.startswith(
+        "RuntimeError: `training_step` set `trainer.should_stop` while the pre-flight"
+    )
+    assert "lightning_accum.in_preflight()" in tracer.found.reason
+    assert tracer.trainer_changed == {}  # the real step 0 stops the run afterwards, not the trace
+
+
+def test_in_preflight_is_true_for_each_traced_training_step_and_false_outside():
+    calls = []
+
+    class Records(_Stack):
+        def training_step(self, batch, batch_idx):
+            calls.append(in_preflight())
+            return super().training_step(batch, batch_idx)
+
+    model = Records(width=16, depth=2)
+    found = preflight(model, (torch.randn(16, 16), torch.randn(16, 1)), (4, 8))
+    assert found.reason is None and calls == [True] * TRACED_TRAINING_STEPS == [True] * 5
+    model.training_step((torch.randn(4, 16), torch.randn(4, 1)), 0)
+    assert calls[-1] is False and not in_preflight()
+
+
+def test_in_preflight_is_false_again_after_a_trace_that_failed():
+    found = preflight(_DataDependentShape(width=32, depth=2), (torch.randn(8, 32), torch.randn(8, 1)), (2, 4))
+    assert found.reason.startswith("DataDependentOutputException") and not in_preflight()
+    assert "`.item()`, `int(t)`" in found.reason  # what that usually means in `training_step`
+
+
+def test_in_preflight_is_public():
+    import lightning_accum
+
+    assert lightning_accum.in_preflight is in_preflight and "in_preflight" in lightning_accum.__all__
+
+
+class _MakesTensorsOnItsDevice(_Stack):
+    """InfoNCE's way of making its labels: on ``self.device``, ``arange(n, device=self.device)``."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        labels = torch.arange(len(x), device=self.device)
+        return nn.functional.cross_entropy(self.net(x), labels)
+
+
+def test_the_trace_runs_a_training_step_that_makes_tensors_on_self_device():
+    model = _MakesTensorsOnItsDevice(width=16, depth=2)  # 16 classes: the labels of an 8-sample batch
+    # As if on CUDA: `self.device` reads what `.to()` set, so the copy made its tensors there, not on the fake
+    # tensors' CPU, and the trace fell back (FakeTensorDeviceMismatchError: cuda:0 and cpu).
+    model._device = torch.device("cuda", 0)
+    found = preflight(model, (torch.randn(8, 16), torch.randn(8, 1)), (2, 4))
+    assert found.reason is None, found.reason
+    assert model.device == torch.device("cuda", 0)  # the real module's, untouched
