@@ -178,6 +178,58 @@ def test_measuring_every_fourth_window_costs_a_quarter_and_stays_within_10_perce
     assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)
 
 
+class RecordMeasurements(pl.Callback):
+    """Each measured step with the windows it stands for, averaged as a monitor weighing by `noise_windows` would.
+
+    Its average is callback state, so it survives a checkpoint as the monitor's does.
+    """
+
+    def __init__(self) -> None:
+        self.measured: list[tuple[int, int]] = []
+        self.estimator = NoiseScaleEstimator(beta=0.9)
+        self._last = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        owner = trainer.callbacks[0]
+        report = owner.last_step_report
+        if report is not self._last:
+            self._last = report
+            if report.noise is not None:
+                self.measured.append((trainer.global_step - 1, owner.noise_windows))
+                self.estimator.add_estimates(*report.noise, windows=owner.noise_windows)
+
+    def state_dict(self):
+        return self.estimator.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.estimator.load_state_dict(state_dict)
+
+
+def test_a_resumed_run_measures_the_windows_an_uninterrupted_one_does(tmp_path):
+    # 10 windows per epoch, every 4th measured: steps 0, 4, 8, 12, ... Before, a run resumed at step 10 measured
+    # 10, 14, 18, ... (the count restarted with the run), and its estimate drifted away from the uninterrupted one.
+    from tests.helpers import IndexedDataset, RegressionModel
+
+    def run(root, epochs, ckpt=None):
+        record = RecordMeasurements()
+        monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_interval=4)
+        trainer = make_trainer(root, [AccumulationScheduler(2), monitor, record], max_epochs=epochs)
+        trainer.fit(RegressionModel(lr=0.05), DataLoader(IndexedDataset(80), batch_size=4), ckpt_path=ckpt)
+        return trainer, record
+
+    _, uninterrupted = run(tmp_path / "full", 3)
+    assert [step for step, _ in uninterrupted.measured] == list(range(0, 30, 4))
+    assert [windows for _, windows in uninterrupted.measured] == [1] + [4] * 7
+    trainer, first = run(tmp_path / "first", 1)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    _, resumed = run(tmp_path / "resumed", 3, tmp_path / "mid.ckpt")
+    assert first.measured + resumed.measured == uninterrupted.measured  # steps, and the windows each stands for
+    torch.testing.assert_close(
+        torch.tensor([resumed.estimator.value().grad_sq_norm, resumed.estimator.value().trace_cov]),
+        torch.tensor([uninterrupted.estimator.value().grad_sq_norm, uninterrupted.estimator.value().trace_cov]),
+    )
+
+
 def test_the_noise_scale_interval_is_checked():
     with pytest.raises(ValueError, match=r"`noise_scale_interval` must be an int >= 1, got 0"):
         AccumulationMonitor(gradient_noise_scale=True, noise_scale_interval=0)
