@@ -205,19 +205,46 @@ def test_a_non_finite_window_is_skipped_and_counted_not_averaged_in(tmp_path):
     # Before: the NaN window made the average NaN for good; k froze at 2 where the clean run reached 8.
     from lightning_accum import AccumulationMonitor, keys
 
-    final = {}
+    runs = {}
     for nan_batch in (None, 9):
         schedule = adaptive()
         monitor = AccumulationMonitor(gradient_noise_scale=True)
         trainer = make_trainer(tmp_path / str(nan_batch), [AccumulationScheduler(schedule), monitor], max_epochs=2)
         model = SkipsNonFiniteSteps(nan_batch)
         trainer.fit(model, DataLoader(IndexedDataset(256), batch_size=4))
-        estimate = schedule.estimator.value()
-        final[nan_batch] = schedule.accumulation_steps(Progress())
-        assert (model.skipped_steps, estimate.skipped) == ((0, 0) if nan_batch is None else (1, 1))
-        measurable = sum(len(indices) > 4 for indices in model.step_indices)  # windows of two micro-batches or more
-        assert estimate.windows == measurable - estimate.skipped  # every other window is averaged in
-        assert math.isfinite(estimate.grad_sq_norm) and math.isfinite(estimate.trace_cov)
-        assert math.isfinite(trainer.callback_metrics[keys.GRAD_SQ_NORM].item())  # what the monitor logs
+        logged = trainer.callback_metrics[keys.GRAD_SQ_NORM].item()  # what the monitor logs
+        runs[nan_batch] = (model, schedule, logged)
+    (_, clean, _), (model, skipping, logged) = runs[None], runs[9]
+    estimate = skipping.estimator.value()
+    assert math.isfinite(estimate.grad_sq_norm) and math.isfinite(estimate.trace_cov) and math.isfinite(logged)
     # One skipped step moves the run a little off the clean one: k ends within the schedule's hysteresis of it.
-    assert final[None] == 8 and abs(final[9] - final[None]) <= adaptive().hysteresis * final[None]
+    k_clean, k = clean.accumulation_steps(Progress()), skipping.accumulation_steps(Progress())
+    assert k_clean == 8 and abs(k - k_clean) <= skipping.hysteresis * k_clean
+    assert model.skipped_steps == estimate.skipped == 1 and clean.estimator.value().skipped == 0
+    measurable = sum(len(indices) > 4 for indices in model.step_indices)  # windows of two micro-batches or more
+    assert estimate.windows == measurable - 1  # every other window is averaged in
+
+
+class _OnTwoRanks:
+    """A Trainer as ``setup`` sees it on 2 ranks (the check needs no collective)."""
+
+    world_size = 2
+
+    def __init__(self, trainer) -> None:
+        self._trainer = trainer
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+
+def test_syncing_every_micro_batch_on_several_ranks_is_refused_it_would_never_measure(tmp_path):
+    # Syncing every micro-batch averages the first micro-batch over the ranks before it can be read: no window would
+    # ever be measured, and k would stay at its minimum without a word.
+    scheduler = AccumulationScheduler(adaptive(), sync_every_micro_batch=True)
+    with pytest.raises(RuntimeError, match=r"sync_every_micro_batch=True\)` on 2 ranks would never adapt k"):
+        scheduler.setup(_OnTwoRanks(make_trainer(tmp_path)), RegressionModel(), "fit")
+    # On one process nothing is synced: it measures every window.
+    schedule = adaptive()
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(schedule, sync_every_micro_batch=True)])
+    trainer.fit(RegressionModel(lr=0.2), DataLoader(IndexedDataset(64), batch_size=4))
+    assert schedule.estimator.value().windows == trainer.global_step == 8
