@@ -112,7 +112,9 @@ class ManualAccumulation:
         self._epoch = -1
         self._hooks: BatchHooks | None = None
         self._noise_meter = WindowNoiseMeter()
-        if isinstance(self.schedule, AdaptiveSchedule):
+        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every window.
+        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
+        if self._adaptive is not None:
             self._noise_meter.request()  # k follows the measured noise scale
 
     def backward(
@@ -193,9 +195,9 @@ class ManualAccumulation:
             world_size=trainer.world_size,
             sum_across_ranks=sum_fn,
         )
-        if isinstance(self.schedule, AdaptiveSchedule):
+        if self._adaptive is not None:
             # Global figures (summed or averaged over ranks): every rank's schedule decides alike.
-            self.schedule.observe(totals.items, self.normalizer.micro_batches, trainer.world_size, self.last_noise)
+            self._adaptive.observe(totals.items, self.normalizer.micro_batches, trainer.world_size, self.last_noise)
         self.consumed_samples += totals.samples
         self.optimizer_steps += 1
         self._position = -1
@@ -219,7 +221,7 @@ class ManualAccumulation:
     def _change_k(self, trainer: pl.Trainer, optimizer: Optimizer, k: int) -> None:
         """Log a change of ``k`` and apply the schedule's learning-rate rule to this helper's optimizer."""
         reason = f"epoch {trainer.current_epoch}"
-        factor = self.schedule.lr_factor(self._k, k) if isinstance(self.schedule, AdaptiveSchedule) else 1.0
+        factor = self._adaptive.lr_factor(self._k, k) if self._adaptive is not None else 1.0
         if factor != 1.0:
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
             scale_learning_rates([optimizer], schedulers, factor)

@@ -213,7 +213,7 @@ class WindowNoiseMeter:
     def __init__(self) -> None:
         self.requested = False
         self.every = 1  # measure the windows whose optimizer step is a multiple of this
-        self.last_step = -1  # the optimizer step of the last measurement (restored on resume)
+        self.last_step: int | None = -1  # the optimizer step of the last measurement; None: unknown (old checkpoint)
         self.windows = 0  # windows the last `measure` call's estimate stands for; 0 when it gave none
         self._first: _FirstMicroBatch | None = None
 
@@ -300,14 +300,17 @@ class WindowNoiseMeter:
         a, b, c, d, ranks, big_sq = terms
         if ranks <= 0:
             return None
-        self.windows, self.last_step = step - self.last_step, step
+        # A checkpoint from before the meter had state doesn't say: the interval is the best guess.
+        self.windows = self.every if self.last_step is None else step - self.last_step
+        self.last_step = step
         return (big_sq * a - b) / ranks, (d - big_sq * c) / ranks
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_step": self.last_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.last_step = int(state.get("last_step", -1))
+        last_step = state.get("last_step")
+        self.last_step = None if last_step is None else int(last_step)
 
 
 def _rank_terms(

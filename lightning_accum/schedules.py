@@ -275,7 +275,6 @@ class AdaptiveBatchSize:
     """
 
     unit: ScheduleUnit = "step"
-    needs_noise_scale = True
 
     def __init__(
         self,

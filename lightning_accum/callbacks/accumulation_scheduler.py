@@ -100,6 +100,8 @@ class AccumulationScheduler(AccumulationOwner):
         self.sync_every_micro_batch = sync_every_micro_batch
 
         self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
+        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every step.
+        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
         self._k = 1  # the current window's planned length
         self._k_known = False  # False until the first window of a run: its k is the start, not a change
         self._position = 0  # index of the current micro-batch within its window
@@ -114,8 +116,7 @@ class AccumulationScheduler(AccumulationOwner):
 
     @override
     def noise_scale_in_use(self) -> NoiseScaleEstimator | None:
-        schedule = self._active_schedule
-        return schedule.estimator if isinstance(schedule, AdaptiveSchedule) else None
+        return self._adaptive.estimator if self._adaptive is not None else None
 
     @override
     def _syncs_first_micro_batch(self, trainer: pl.Trainer) -> bool:
@@ -133,7 +134,7 @@ class AccumulationScheduler(AccumulationOwner):
         self._validate(trainer, pl_module)
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
-        if isinstance(self._active_schedule, AdaptiveSchedule):
+        if self._adaptive is not None:
             self.measure_noise_scale()  # k follows the measured noise scale
         self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
         self._claim(trainer)
@@ -175,7 +176,7 @@ class AccumulationScheduler(AccumulationOwner):
                 "`AccumulationScheduler` and Lightning's `GradientAccumulationScheduler` both want to own `k`."
                 " Remove `GradientAccumulationScheduler` and pass its `scheduling` dict as `schedule=`."
             )
-        if isinstance(self.schedule, AdaptiveSchedule) and self._syncs_first_micro_batch(trainer):
+        if self._adaptive is not None and self._syncs_first_micro_batch(trainer):
             raise RuntimeError(
                 f"`AccumulationScheduler({self.schedule!r}, sync_every_micro_batch=True)` on {trainer.world_size}"
                 " ranks would never adapt k: the noise scale is measured from each rank's own first micro-batch, and"
@@ -274,8 +275,7 @@ class AccumulationScheduler(AccumulationOwner):
 
     def _scale_learning_rate(self, trainer: pl.Trainer, before: int, after: int) -> str:
         """Apply the schedule's learning-rate rule for a change of ``k`` (``AdaptiveBatchSize(lr_scaling=...)``)."""
-        schedule = self._active_schedule
-        factor = schedule.lr_factor(before, after) if isinstance(schedule, AdaptiveSchedule) else 1.0
+        factor = self._adaptive.lr_factor(before, after) if self._adaptive is not None else 1.0
         if factor == 1.0:
             return ""
         scale_learning_rates(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
@@ -315,10 +315,10 @@ class AccumulationScheduler(AccumulationOwner):
             return
         totals, self._totals = self._totals, None
         self._publish_step("window", self._micro_batch_size, totals, self._window_loss)
-        schedule, report = self._active_schedule, self.last_step_report
-        if isinstance(schedule, AdaptiveSchedule) and report is not None:
+        report = self.last_step_report
+        if self._adaptive is not None and report is not None:
             # The figures are global (summed or averaged over ranks), so every rank's schedule decides alike.
-            schedule.observe(report.items, report.accumulation_steps, trainer.world_size, report.noise)
+            self._adaptive.observe(report.items, report.accumulation_steps, trainer.world_size, report.noise)
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
