@@ -6,21 +6,22 @@ under LightningCLI, checks each value against its parameter's type hint while it
 short usage error that names the argument and shows the value, with a non-zero exit. The types here carry the
 ``__init__`` checks into that parse:
 
-==================  ============================  ===========================================================
-type                a type checker sees           the parse accepts
-==================  ============================  ===========================================================
-`PositiveInt`       ``int``                       an int >= 1 (a count of steps, windows, samples)
-`NonNegativeInt`    ``int``                       an int >= 0
-`MicroBatchSize`    ``int | Literal["auto"]``     an int >= 1 or ``"auto"``
-`PositiveFloat`     ``float``                     a finite number > 0
-`NonNegativeFloat`  ``float``                     a finite number >= 0
-`GrowthFactor`      ``float``                     a finite number > 1
-`OpenUnitInterval`  ``float``                     a number in (0, 1), e.g. a fraction of the budget
-`Decay`             ``float``                     a number in [0, 1): a moving average's decay
-`MemorySize`        ``float | int | str``         a ``max_memory`` (`lightning_accum.memory.budget`)
-`Milestones`        ``Mapping[int, int]``         a ``{progress: k}`` schedule (`lightning_accum.StepwiseSchedule`)
-`ImportPath`        ``str``                       an import path to something callable
-==================  ============================  ===========================================================
+=====================  ============================  ===========================================================
+type                   a type checker sees           the parse accepts
+=====================  ============================  ===========================================================
+`PositiveInt`          ``int``                       an int >= 1 (a count of steps, windows, samples)
+`NonNegativeInt`       ``int``                       an int >= 0
+`SeveralMicroBatches`  ``int``                       an int >= 2 (windows long enough to measure the noise scale)
+`MicroBatchSize`       ``int | Literal["auto"]``     an int >= 1 or ``"auto"``
+`PositiveFloat`        ``float``                     a finite number > 0
+`NonNegativeFloat`     ``float``                     a finite number >= 0
+`GrowthFactor`         ``float``                     a finite number > 1
+`OpenUnitInterval`     ``float``                     a number in (0, 1), e.g. a fraction of the budget
+`Decay`                ``float``                     a number in [0, 1): a moving average's decay
+`MemorySize`           ``float | int | str``         a ``max_memory`` (`lightning_accum.memory.budget`)
+`Milestones`           ``Mapping[int, int]``         a ``{progress: k}`` schedule (`lightning_accum.StepwiseSchedule`)
+`ImportPath`           ``str``                       an import path to something callable
+=====================  ============================  ===========================================================
 
 For a type checker each name is an alias of the plain type in the middle column, so Python callers pass plain
 values and nothing changes for them. At run time each is a class that nothing instantiates: jsonargparse knows it
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 
     PositiveInt: TypeAlias = int
     NonNegativeInt: TypeAlias = int
+    SeveralMicroBatches: TypeAlias = int
     MicroBatchSize: TypeAlias = int | Literal["auto"]
     PositiveFloat: TypeAlias = float
     NonNegativeFloat: TypeAlias = float
@@ -73,6 +75,9 @@ else:
 
     class NonNegativeInt(int):
         """An int >= 0, checked while LightningCLI parses (a plain ``int`` to a type checker)."""
+
+    class SeveralMicroBatches(int):
+        """An int >= 2, checked while LightningCLI parses (a plain ``int`` to a type checker)."""
 
     class MicroBatchSize:
         """An int >= 1 or ``"auto"``, checked while LightningCLI parses (``int | Literal["auto"]``)."""
@@ -135,6 +140,7 @@ _NUMBER = (int, float)
 _KINDS: dict[str, _Kind] = {
     "PositiveInt": _Kind("an int >= 1", (int,), lambda v: check_int(v, None, 1)),
     "NonNegativeInt": _Kind("an int >= 0", (int,), lambda v: check_int(v, None, 0)),
+    "SeveralMicroBatches": _Kind("an int >= 2", (int,), lambda v: check_int(v, None, 2)),
     "MicroBatchSize": _Kind(
         'an int >= 1 or "auto"', (int, str), lambda v: v if v == "auto" else check_int(v, None, 1, alternative='"auto"')
     ),

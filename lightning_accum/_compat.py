@@ -226,6 +226,41 @@ def discard_fsdp2_unsharded_grads(module: Any) -> None:
             context.post_backward_final_callback_queued = False
 
 
+def unsynced_gradients(module: Any, parameters: list[Tensor]) -> list[Tensor]:
+    """The gradients this rank holds of ``parameters`` for its own micro-batches since the last sync.
+
+    That is each parameter's ``.grad``, except where FSDP2 holds the sync back: the gradient then sits unsharded on
+    FSDP2's private parameter (``_unsharded_param.grad``, or ``unsharded_accumulated_grad`` under a reduce dtype,
+    see above), and the sharded parameter's ``.grad`` stays ``None``. A ``.grad`` that is a ``DTensor`` is already
+    reduce-scattered over the ranks, not this rank's own, and is left out. The gradient noise scale reads this after
+    a window's first micro-batch. ``parameters`` may be the sharded ones (an optimizer's) or, while FSDP2 keeps them
+    unsharded for a split-mode step, the unsharded ones.
+    """
+    wanted = {id(p) for p in parameters}
+    held: list[Tensor] = []
+    for fsdp_module in fsdp2_modules(module):
+        for fsdp_param in (p for group in _param_groups(fsdp_module._get_fsdp_state()) for p in group.fsdp_params):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if id(fsdp_param.sharded_param) not in wanted and id(unsharded) not in wanted:
+                continue
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and unsharded is not None:
+                grad = unsharded.grad
+            if grad is not None:
+                held.append(grad)
+    seen = {id(g) for g in held}  # while unsharded, FSDP2's private parameters are the module's own
+    plain = [p.grad for p in parameters if p.grad is not None and id(p.grad) not in seen and not _is_dtensor(p.grad)]
+    return plain + held
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4
+        return False
+    return isinstance(tensor, DTensor)
+
+
 def fsdp2_unsynced_state(module: Any) -> list[str]:
     """What FSDP2 holds back in ``module`` right now: modules with gradient sync off, unsharded gradients left over.
 

@@ -14,8 +14,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _compat
+from lightning_accum.callbacks._owner import log_info
 from lightning_accum.distributed import sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
+from lightning_accum.noise_scale import WindowNoiseMeter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -24,7 +26,15 @@ from lightning_accum.normalization import (
     check_loss_reduction,
     count_items,
 )
-from lightning_accum.schedules import AccumulationSchedule, ConstantSchedule, Progress, as_schedule
+from lightning_accum.report import AccumulationEvent
+from lightning_accum.schedules import (
+    AccumulationSchedule,
+    AdaptiveSchedule,
+    ConstantSchedule,
+    Progress,
+    as_schedule,
+    scale_learning_rates,
+)
 from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
 
 
@@ -37,9 +47,14 @@ class ManualAccumulation:
     micro-batch but the window's last, and returns ``True`` when the gradients are complete and the optimizer should
     step. The epoch's last batch always completes a window.
 
+    With `lightning_accum.schedules.AdaptiveBatchSize` it measures the gradient noise scale in every window, as
+    `lightning_accum.AccumulationScheduler` does (also under DDP and FSDP2), feeds it to the schedule after each
+    complete window, and applies the schedule's learning-rate rule to its optimizer when ``k`` changes. Each change
+    is logged and kept in ``events``.
+
     Args:
         schedule: ``k`` as an int, a ``{epoch: k}`` mapping, or a schedule object (as for
-            `lightning_accum.AccumulationScheduler`).
+            `lightning_accum.AccumulationScheduler`), e.g. `lightning_accum.schedules.AdaptiveBatchSize`.
         count_items: counts the items of a micro-batch (default: its samples).
         loss_reduction: whether the loss passed in is the ``"mean"`` or the ``"sum"`` over the micro-batch's items.
         accumulation_steps: the former name of ``schedule`` (deprecated).
@@ -87,11 +102,20 @@ class ManualAccumulation:
         self.count_items = resolve_counter(count_items)
         self.normalizer = WindowNormalizer(check_loss_reduction(loss_reduction))
         self.last_window: WindowTotals | None = None
+        self.last_noise: tuple[float, float] | None = None  # the last window's (|G|², tr Σ), where measured
         self.consumed_samples = 0
+        self.optimizer_steps = 0  # complete windows: the step count that picks the measured windows
+        self.events: list[AccumulationEvent] = []  # every change of k
         self._k = 1
+        self._k_known = False  # False until the first window: its k is the start, not a change
         self._position = -1  # -1: no window open
         self._epoch = -1
         self._hooks: BatchHooks | None = None
+        self._noise_meter = WindowNoiseMeter()
+        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every window.
+        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
+        if self._adaptive is not None:
+            self._noise_meter.request()  # k follows the measured noise scale
 
     def backward(
         self,
@@ -122,7 +146,7 @@ class ManualAccumulation:
             self._hooks = resolve_batch_hooks(module)  # the module's `batch_size_of` method, if it has one
         n_samples = self._hooks.batch_size(batch)
         if self._position < 0 or trainer.current_epoch != self._epoch:
-            self._start_window(trainer, n_samples)
+            self._start_window(trainer, _optimizer_of(module, optimizer), n_samples)
         n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
         weight = self.normalizer.add_micro_batch(n_items, n_samples)
         window_complete = self._position >= self._k - 1 or _compat.is_last_training_batch(trainer)
@@ -136,16 +160,49 @@ class ManualAccumulation:
                     no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
             module.manual_backward(loss * weight, *args, **kwargs)
         if not window_complete:
+            if self._position == 0 and self._noise_meter.wants(self.optimizer_steps):
+                self._capture_first_gradient(module, optimizer)
             self._position += 1
             return False
-        self.last_window = self.normalizer.finish_window(
-            _parameters_of(module, optimizer), sum_across_ranks_fn(trainer), trainer.world_size
-        )
-        self.consumed_samples += self.last_window.samples
-        self._position = -1
+        self._finish_window(trainer, _optimizer_of(module, optimizer))
         return True
 
-    def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
+    def _capture_first_gradient(
+        self, module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None
+    ) -> None:
+        """The window's first micro-batch, not yet synced: the noise scale's small batch (see `WindowNoiseMeter`)."""
+        normalizer = self.normalizer
+        self._noise_meter.capture(
+            self.optimizer_steps,
+            normalizer.windows_started,
+            _compat.unsynced_gradients(module, _parameters(_optimizer_of(module, optimizer))),
+            normalizer.first_items,
+            normalizer.divisor,
+            _compat.gradient_scale(module.trainer),
+        )
+
+    def _finish_window(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        """Make the window's gradient exact, measure its noise scale and let an adaptive schedule see both."""
+        params, sum_fn = _parameters(optimizer), sum_across_ranks_fn(trainer)
+        totals = self.normalizer.finish_window(params, sum_fn, trainer.world_size)
+        self.last_window = totals
+        self.last_noise = self._noise_meter.measure(
+            self.optimizer_steps,
+            self.normalizer.windows_started,
+            [p.grad for p in params if p.grad is not None],
+            items=totals.items,
+            micro_batches=self.normalizer.micro_batches,
+            world_size=trainer.world_size,
+            sum_across_ranks=sum_fn,
+        )
+        if self._adaptive is not None:
+            # Global figures (summed or averaged over ranks): every rank's schedule decides alike.
+            self._adaptive.observe(totals.items, self.normalizer.micro_batches, trainer.world_size, self.last_noise)
+        self.consumed_samples += totals.samples
+        self.optimizer_steps += 1
+        self._position = -1
+
+    def _start_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
         self._epoch = trainer.current_epoch
         self._position = 0
         progress = Progress(
@@ -155,19 +212,51 @@ class ManualAccumulation:
             micro_batch_size=n_samples,
             world_size=trainer.world_size,
         )
-        self._k = self.schedule.accumulation_steps(progress)
+        k = self.schedule.accumulation_steps(progress)
+        if self._k_known and k != self._k:
+            self._change_k(trainer, optimizer, k)
+        self._k, self._k_known = k, True
         self.normalizer.start_window(self._k)
 
+    def _change_k(self, trainer: pl.Trainer, optimizer: Optimizer, k: int) -> None:
+        """Log a change of ``k`` and apply the schedule's learning-rate rule to this helper's optimizer."""
+        reason = f"epoch {trainer.current_epoch}"
+        factor = self._adaptive.lr_factor(self._k, k) if self._adaptive is not None else 1.0
+        if factor != 1.0:
+            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+            scale_learning_rates([optimizer], schedulers, factor)
+            reason += f"; learning rate x{factor:.4g}"
+        event = AccumulationEvent("schedule_change", trainer.global_step, self._k, k, reason)
+        self.events.append(event)
+        log_info(event.message())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "normalizer": self.normalizer.state_dict()}
+        state = {
+            "consumed_samples": self.consumed_samples,
+            "optimizer_steps": self.optimizer_steps,
+            "normalizer": self.normalizer.state_dict(),
+            "noise_meter": self._noise_meter.state_dict(),
+        }
+        if self._k_known:
+            state["accumulation_steps"] = self._k
+        if callable(getattr(self.schedule, "state_dict", None)):
+            state["schedule"] = self.schedule.state_dict()  # e.g. the noise-scale estimate
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self.normalizer.load_state_dict(state.get("normalizer", {}))
+        self._noise_meter.load_state_dict(state.get("noise_meter", {}))
+        self._k = int(state.get("accumulation_steps", 1))
+        self._k_known = "accumulation_steps" in state
+        self._position = -1
+        if "schedule" in state and callable(getattr(self.schedule, "load_state_dict", None)):
+            self.schedule.load_state_dict(state["schedule"])
 
 
-def _parameters_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> list[Tensor]:
-    """The parameters whose gradients one helper owns: its optimizer's (the module's only one when not named)."""
+def _optimizer_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> Optimizer:
+    """The optimizer one helper accumulates for: the one named, else the module's only one."""
     if optimizer is None:
         optimizers = module.optimizers(use_pl_optimizer=False)
         if isinstance(optimizers, list):
@@ -181,4 +270,9 @@ def _parameters_of(module: pl.LightningModule, optimizer: Optimizer | LightningO
         optimizer = optimizers
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _parameters(optimizer: Optimizer) -> list[Tensor]:
+    """The parameters whose gradients one helper owns: its optimizer's."""
     return [p for group in optimizer.param_groups for p in group["params"]]

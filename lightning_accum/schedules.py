@@ -7,9 +7,11 @@ first micro-batch, with the progress made so far. The callbacks decide *when* to
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
+
+from torch.optim import Optimizer
 
 from lightning_accum._cli_types import (
     Decay,
@@ -19,6 +21,7 @@ from lightning_accum._cli_types import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    SeveralMicroBatches,
 )
 from lightning_accum._validation import check_bool, check_choice, check_int, check_number
 from lightning_accum.noise_scale import NoiseScaleEstimator
@@ -64,6 +67,27 @@ class AccumulationSchedule(Protocol):
 
     def accumulation_steps(self, progress: Progress) -> int:
         """Accumulation steps for a window that starts at ``progress``."""
+        ...
+
+
+@runtime_checkable
+class AdaptiveSchedule(AccumulationSchedule, Protocol):
+    """A schedule that follows the measured gradient noise scale (`AdaptiveBatchSize`).
+
+    Every front end that runs one (`lightning_accum.AccumulationScheduler`, `lightning_accum.ManualAccumulation`)
+    measures the noise scale in every window, calls `observe` after each optimizer step, and applies `lr_factor`
+    when ``k`` changes at a window boundary.
+    """
+
+    estimator: NoiseScaleEstimator
+    """The noise-scale average that decides ``k`` (the monitor logs it)."""
+
+    def observe(self, items: float, micro_batches: int, world_size: int, noise: tuple[float, float] | None) -> None:
+        """Take one optimizer step's figures: global items, this rank's micro-batches, the noise estimates."""
+        ...
+
+    def lr_factor(self, before: int, after: int) -> float:
+        """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
         ...
 
 
@@ -228,12 +252,15 @@ class AdaptiveBatchSize:
     and waits ``warmup_windows`` windows after the last one: a single window's estimate of ``|G|²`` can be near zero
     or negative (the difference of two noisy norms), and the noise scale it gives is then huge.
 
-    It needs windows of at least two micro-batches to measure anything, and the two batch sizes it compares (one
+    It needs windows of at least two micro-batches to measure anything, so ``min_accumulation_steps`` must be at least
+    2: at ``k = 1`` nothing is ever measured and ``k`` would stay 1 for good. The two batch sizes it compares (one
     micro-batch, the whole window) should differ by more than 2x: on the char LM example, windows of 2 gave a
     negative or undefined ``|G|²`` in 44 of 256 windows, windows of 4 and 8 in none. So ``min_accumulation_steps``
-    defaults to 4.
+    defaults to 4. A window whose estimate is not finite (its gradient overflowed) is left out of the average and
+    counted (``estimator.skipped``).
 
-    Use it with `lightning_accum.AccumulationScheduler`; the estimate and ``k`` round-trip through checkpoints.
+    Use it with `lightning_accum.AccumulationScheduler` or, under manual optimization,
+    `lightning_accum.ManualAccumulation`; the estimate and ``k`` round-trip through checkpoints.
 
     Args:
         min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
@@ -250,8 +277,8 @@ class AdaptiveBatchSize:
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: a bound < 1 or ``max < min``, ``factor <= 0``, ``hysteresis < 0``, ``max_growth <= 1``, an
-            unknown ``lr_scaling``, or ``beta`` outside ``[0, 1)``.
+        ValueError: ``min_accumulation_steps < 2``, ``max < min``, ``factor <= 0``, ``hysteresis < 0``,
+            ``max_growth <= 1``, an unknown ``lr_scaling``, or ``beta`` outside ``[0, 1)``.
 
     Examples:
         >>> schedule = AdaptiveBatchSize(min_accumulation_steps=2, max_accumulation_steps=16, warmup_windows=1)
@@ -263,11 +290,10 @@ class AdaptiveBatchSize:
     """
 
     unit: ScheduleUnit = "step"
-    needs_noise_scale = True
 
     def __init__(
         self,
-        min_accumulation_steps: PositiveInt = 4,
+        min_accumulation_steps: SeveralMicroBatches = 4,
         max_accumulation_steps: PositiveInt = 64,
         *,
         factor: PositiveFloat = 1.0,
@@ -278,7 +304,13 @@ class AdaptiveBatchSize:
         lr_scaling: LRScaling | None = None,
         beta: Decay = 0.99,
     ) -> None:
-        self.min_k = check_int(min_accumulation_steps, "min_accumulation_steps", minimum=1)
+        self.min_k = check_int(
+            min_accumulation_steps,
+            "min_accumulation_steps",
+            minimum=2,
+            hint="A window of one micro-batch has one batch size, so the noise scale is never measured and k would"
+            " stay 1 for good. Use 2 or more; the default, 4, measures cleanly.",
+        )
         self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)
         self.factor = check_number(factor, "factor", minimum=0.0, min_inclusive=False)
         self.warmup_windows = check_int(warmup_windows, "warmup_windows", minimum=0)
@@ -360,6 +392,22 @@ class AdaptiveBatchSize:
             f" lr_scaling={self.lr_scaling!r},"
             f" beta={self.estimator.beta})"
         )
+
+
+def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every param group's learning rate in ``optimizers`` by ``factor``, and their schedulers' base rates.
+
+    A scheduler recomputes the rate from its base rates, so those follow too (``schedulers`` holds the LR schedulers
+    of those optimizers; others are the caller's to leave out).
+    """
+    if factor == 1.0:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+    for scheduler in schedulers:
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
 
 def k_for_global_batch(global_batch: int, samples_per_micro_step: int, rounding: Rounding = "error") -> int:

@@ -144,7 +144,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"min_accumulation_steps": 0}, ValueError, "`min_accumulation_steps` must be an int >= 1"),
+        ({"min_accumulation_steps": 0}, ValueError, "`min_accumulation_steps` must be an int >= 2"),
         ({"min_accumulation_steps": 4, "max_accumulation_steps": 2}, ValueError, "`max_accumulation_steps` must be"),
         ({"factor": 0}, ValueError, "`factor` must be"),
         ({"lr_scaling": "cubic"}, ValueError, "`lr_scaling` must be"),
@@ -155,6 +155,16 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         AdaptiveBatchSize(**kwargs)
+
+
+def test_a_minimum_of_one_micro_batch_is_refused_it_would_never_measure(tmp_path):
+    # Before: accepted, and the run measured 0 of 128 windows and kept k=1 for good.
+    with pytest.raises(
+        ValueError,
+        match=r"`min_accumulation_steps` must be an int >= 2, got 1\. A window of one micro-batch has one batch size,"
+        r" so the noise scale is never measured and k would stay 1 for good\. Use 2 or more",
+    ):
+        AdaptiveBatchSize(min_accumulation_steps=1, max_accumulation_steps=8)
 
 
 def test_the_monitor_logs_the_noise_scale_the_schedule_acts_on(tmp_path):
@@ -171,3 +181,70 @@ def test_the_monitor_logs_the_noise_scale_the_schedule_acts_on(tmp_path):
     logged = trainer.callback_metrics[keys.GRADIENT_NOISE_SCALE].item()
     assert logged == pytest.approx(schedule.estimator.value().gradient_noise_scale, rel=1e-6)
     assert monitor.noise_scale.value().windows == 0  # it kept no second average
+
+
+class SkipsNonFiniteSteps(RegressionModel):
+    """A user's guard: a step whose gradient is not finite is skipped. One micro-batch's loss is NaN."""
+
+    def __init__(self, nan_batch: int | None) -> None:
+        super().__init__(lr=0.2)
+        self.nan_batch = nan_batch
+        self.skipped_steps = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if (self.current_epoch, batch_idx) == (0, self.nan_batch) else loss
+
+    def on_before_optimizer_step(self, optimizer):
+        if not all(torch.isfinite(p.grad).all() for p in self.parameters() if p.grad is not None):
+            self.skipped_steps += 1
+            optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_non_finite_window_is_skipped_and_counted_not_averaged_in(tmp_path):
+    # Before: the NaN window made the average NaN for good; k froze at 2 where the clean run reached 8.
+    from lightning_accum import AccumulationMonitor, keys
+
+    runs = {}
+    for nan_batch in (None, 9):
+        schedule = adaptive()
+        monitor = AccumulationMonitor(gradient_noise_scale=True)
+        trainer = make_trainer(tmp_path / str(nan_batch), [AccumulationScheduler(schedule), monitor], max_epochs=2)
+        model = SkipsNonFiniteSteps(nan_batch)
+        trainer.fit(model, DataLoader(IndexedDataset(256), batch_size=4))
+        logged = trainer.callback_metrics[keys.GRAD_SQ_NORM].item()  # what the monitor logs
+        runs[nan_batch] = (model, schedule, logged)
+    (_, clean, _), (model, skipping, logged) = runs[None], runs[9]
+    estimate = skipping.estimator.value()
+    assert math.isfinite(estimate.grad_sq_norm) and math.isfinite(estimate.trace_cov) and math.isfinite(logged)
+    # One skipped step moves the run a little off the clean one: k ends within the schedule's hysteresis of it.
+    k_clean, k = clean.accumulation_steps(Progress()), skipping.accumulation_steps(Progress())
+    assert k_clean == 8 and abs(k - k_clean) <= skipping.hysteresis * k_clean
+    assert model.skipped_steps == estimate.skipped == 1 and clean.estimator.value().skipped == 0
+    measurable = sum(len(indices) > 4 for indices in model.step_indices)  # windows of two micro-batches or more
+    assert estimate.windows == measurable - 1  # every other window is averaged in
+
+
+class _OnTwoRanks:
+    """A Trainer as ``setup`` sees it on 2 ranks (the check needs no collective)."""
+
+    world_size = 2
+
+    def __init__(self, trainer) -> None:
+        self._trainer = trainer
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+
+def test_syncing_every_micro_batch_on_several_ranks_is_refused_it_would_never_measure(tmp_path):
+    # Syncing every micro-batch averages the first micro-batch over the ranks before it can be read: no window would
+    # ever be measured, and k would stay at its minimum without a word.
+    scheduler = AccumulationScheduler(adaptive(), sync_every_micro_batch=True)
+    with pytest.raises(RuntimeError, match=r"sync_every_micro_batch=True\)` on 2 ranks would never adapt k"):
+        scheduler.setup(_OnTwoRanks(make_trainer(tmp_path)), RegressionModel(), "fit")
+    # On one process nothing is synced: it measures every window.
+    schedule = adaptive()
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(schedule, sync_every_micro_batch=True)])
+    trainer.fit(RegressionModel(lr=0.2), DataLoader(IndexedDataset(64), batch_size=4))
+    assert schedule.estimator.value().windows == trainer.global_step == 8

@@ -436,9 +436,9 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "BatchSizeRamp ramp_samples": ((*RAMP, "--trainer.callbacks.schedule.ramp_samples=-1"), "ramp_samples", "got -1"),
     "BatchSizeRamp rounding": ((*RAMP, "--trainer.callbacks.schedule.rounding=up"), "rounding", "up"),
     "min_accumulation_steps": (
-        (*ADAPTIVE, "--trainer.callbacks.schedule.min_accumulation_steps=0"),
+        (*ADAPTIVE, "--trainer.callbacks.schedule.min_accumulation_steps=1"),
         "min_accumulation_steps",
-        ">= 1, got 0",
+        ">= 2, got 1",
     ),
     "max_accumulation_steps": (
         (*ADAPTIVE, "--trainer.callbacks.schedule.max_accumulation_steps=0"),

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum import ManualAccumulation
-from tests.helpers import FP32, TokenDataset, count_tokens, make_trainer
+import tests.helpers as h
+from lightning_accum import AccumulationScheduler, ManualAccumulation
+from lightning_accum.schedules import AdaptiveBatchSize
+from tests.helpers import (
+    FP32,
+    IndexedDataset,
+    RegressionModel,
+    TokenDataset,
+    count_tokens,
+    make_trainer,
+    mse_loss,
+)
 
 
 def token_mean_loss(layer: nn.Module, batch) -> torch.Tensor:
@@ -93,3 +105,82 @@ def test_the_former_argument_name_still_works_with_a_deprecation():
     with pytest.deprecated_call(match=r"`ManualAccumulation\(accumulation_steps=...\)` is now `schedule=`"):
         helper = ManualAccumulation(accumulation_steps=3)
     assert repr(helper.schedule) == repr(ManualAccumulation(schedule=3).schedule) == "ConstantSchedule(3)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AdaptiveBatchSize under manual optimization: the same adaptation as in window mode
+# ---------------------------------------------------------------------------------------------------------------
+def adaptive_schedule() -> AdaptiveBatchSize:
+    return AdaptiveBatchSize(2, 16, warmup_windows=5, beta=0.8, lr_scaling="linear")
+
+
+class ManualRegression(RegressionModel):
+    """`tests.helpers.RegressionModel` under manual optimization, accumulating with `ManualAccumulation`."""
+
+    def __init__(self, schedule: AdaptiveBatchSize) -> None:
+        super().__init__(lr=0.2)
+        self.automatic_optimization = False
+        self.accumulation = ManualAccumulation(schedule)
+
+    def training_step(self, batch, batch_idx):
+        self._record(batch)
+        optimizer = self.optimizers()
+        if self.accumulation.backward(self, mse_loss(self, batch), batch):
+            self.configure_gradient_clipping(optimizer)  # records the step's gradient and samples
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["accumulation"] = self.accumulation.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        self.accumulation.load_state_dict(checkpoint["accumulation"])
+
+
+def fit_both(tmp_path, epochs: int = 4, n: int = 256):
+    """The same data and initial weights, through `AccumulationScheduler` and through `ManualAccumulation`."""
+    auto_schedule, manual_schedule = adaptive_schedule(), adaptive_schedule()
+    auto = RegressionModel(lr=0.2)
+    make_trainer(tmp_path / "auto", [AccumulationScheduler(auto_schedule)], max_epochs=epochs).fit(
+        auto, DataLoader(IndexedDataset(n), batch_size=4)
+    )
+    manual = ManualRegression(manual_schedule)
+    make_trainer(tmp_path / "manual", max_epochs=epochs).fit(manual, DataLoader(IndexedDataset(n), batch_size=4))
+    return (auto, auto_schedule), (manual, manual_schedule)
+
+
+def test_manual_accumulation_adapts_k_as_window_mode_does(tmp_path):
+    # Before: `ManualAccumulation(AdaptiveBatchSize(...))` measured 0 windows and stayed at k=2 for 128 steps, while
+    # `AccumulationScheduler` went through k = 2, 4, 6, 10, 12, 16 in 37.
+    (auto, auto_schedule), (manual, manual_schedule) = fit_both(tmp_path)
+    windows = [len(indices) // 4 for indices in manual.step_indices]
+    assert windows == [len(indices) // 4 for indices in auto.step_indices]
+    assert max(windows) == 8 and manual.step_indices == auto.step_indices
+    assert manual_schedule.estimator.value().windows == len(windows)
+    torch.testing.assert_close(
+        torch.tensor(dataclasses.astuple(manual_schedule.estimator.value())[:2]),
+        torch.tensor(dataclasses.astuple(auto_schedule.estimator.value())[:2]),
+    )
+    changes = [(e.before, e.after) for e in manual.accumulation.events]
+    assert changes and all(after > before for before, after in changes)
+    # lr_scaling="linear": the rate followed k, from 0.2 at k=2
+    assert manual.optimizers().param_groups[0]["lr"] == pytest.approx(0.2 * windows[-1] / 2)
+    h.assert_grads_close(manual.step_grads, auto.step_grads, **FP32)
+
+
+def test_manual_adaptation_resumes_from_the_helpers_state(tmp_path):
+    full = ManualRegression(adaptive_schedule())
+    make_trainer(tmp_path / "full", max_epochs=2).fit(full, DataLoader(IndexedDataset(128), batch_size=4))
+    first = ManualRegression(adaptive_schedule())
+    trainer = make_trainer(tmp_path / "a", max_epochs=1)
+    trainer.fit(first, DataLoader(IndexedDataset(128), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = ManualRegression(adaptive_schedule())
+    make_trainer(tmp_path / "b", max_epochs=2).fit(
+        resumed, DataLoader(IndexedDataset(128), batch_size=4), ckpt_path=tmp_path / "mid.ckpt"
+    )
+    assert full.accumulation.events, "k must change during the run for this test to bite"
+    assert first.step_indices + resumed.step_indices == full.step_indices
+    assert resumed.accumulation.schedule.state_dict() == full.accumulation.schedule.state_dict()
+    for name, value in full.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value)

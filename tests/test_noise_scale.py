@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from lightning_accum.noise_scale import NoiseScaleEstimator, unbiased_estimates
+from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter, unbiased_estimates
 
 
 def test_unbiased_estimates_invert_the_expected_norms():
@@ -51,6 +52,22 @@ def _interleave(pair, small, big):
     return small_sq, small, big_sq, big
 
 
+def test_a_non_finite_estimate_is_skipped_and_counted():
+    estimator = NoiseScaleEstimator(beta=0.5)
+    estimator.add_estimates(2.0, 10.0)
+    for bad in ((math.nan, 10.0), (2.0, math.inf), (-math.inf, math.nan)):
+        estimator.add_estimates(*bad)
+    estimator.add_estimates(4.0, 10.0)
+    clean = NoiseScaleEstimator(beta=0.5)
+    clean.add_estimates(2.0, 10.0)
+    clean.add_estimates(4.0, 10.0)
+    assert dataclasses.replace(estimator.value(), skipped=0) == clean.value()
+    assert estimator.value().skipped == 3
+    restored = NoiseScaleEstimator(beta=0.5)
+    restored.load_state_dict(estimator.state_dict())
+    assert restored.value() == estimator.value()
+
+
 def test_bias_correction_and_state_round_trip():
     estimator = NoiseScaleEstimator(beta=0.5)
     assert math.isnan(estimator.value().gradient_noise_scale)
@@ -67,6 +84,50 @@ def test_bias_correction_and_state_round_trip():
 def test_bad_beta_is_refused(beta, error):
     with pytest.raises(error, match="`beta` must be"):
         NoiseScaleEstimator(beta=beta)
+
+
+def test_the_meters_one_all_reduce_averages_the_ranks_own_estimates():
+    # Two ranks whose first micro-batches held 3 and 5 of the window's 16 items; the window's gradient is replicated.
+    # The meter sends six numbers per rank; their sum must give the mean of the ranks' own `unbiased_estimates`.
+    firsts = [(torch.tensor([3.0, -1.0]), 3.0), (torch.tensor([0.5, 2.0]), 5.0)]
+    window = torch.tensor([1.0, 0.25])
+    meters = [WindowNoiseMeter() for _ in firsts]
+    sent = []
+    for meter, (gradient, items) in zip(meters, firsts, strict=True):
+        meter.request()
+        meter.capture(step=0, window=1, gradients=[gradient * items / 8.0], items=items, divisor=8.0)
+    meters[1].measure(
+        0, 1, [window], items=16.0, micro_batches=2, world_size=2, sum_across_ranks=lambda t: sent.append(t) or t
+    )
+    estimate = meters[0].measure(
+        0, 1, [window], items=16.0, micro_batches=2, world_size=2, sum_across_ranks=lambda t: t + sent[0]
+    )
+    big = float(window.square().sum())
+    pairs = [unbiased_estimates(float(g.square().sum()), n, big, 16.0) for g, n in firsts]
+    assert estimate == pytest.approx(tuple(sum(p[i] for p in pairs) / 2 for i in range(2)), rel=1e-6)
+    assert (meters[0].windows, meters[0].last_step) == (1, 0)
+
+
+def test_the_measured_windows_and_their_weights_follow_the_step_count():
+    meter = WindowNoiseMeter()
+    meter.request(every=4)
+    meter.request(every=3)  # the most frequent consumer wins
+    assert [step for step in range(10) if meter.wants(step)] == [0, 3, 6, 9]
+
+    def measured_at(meter, step):
+        meter.capture(step, step, [torch.tensor([2.0])], items=1, divisor=1.0)
+        meter.measure(step, step, [torch.tensor([1.0])], items=2.0, micro_batches=2)
+        return meter.windows
+
+    assert [measured_at(meter, step) for step in (0, 3, 6)] == [1, 3, 3]
+    resumed = WindowNoiseMeter()
+    resumed.request(every=3)
+    resumed.load_state_dict(meter.state_dict())
+    assert measured_at(resumed, 9) == 3  # as if uninterrupted
+    old_checkpoint = WindowNoiseMeter()
+    old_checkpoint.request(every=3)
+    old_checkpoint.load_state_dict({})  # saved before the meter had state: the interval stands in
+    assert measured_at(old_checkpoint, 9) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +237,58 @@ def test_measuring_every_fourth_window_costs_a_quarter_and_stays_within_10_perce
     grad_sq_norm, trace_cov = dataset.exact_noise_scale(torch.zeros(DIM))
     metrics = trainer.callback_metrics
     assert float(metrics[keys.GRADIENT_NOISE_SCALE]) == pytest.approx(trace_cov / grad_sq_norm, rel=0.1)
+
+
+class RecordMeasurements(pl.Callback):
+    """Each measured step with the windows it stands for, averaged as a monitor weighing by `noise_windows` would.
+
+    Its average is callback state, so it survives a checkpoint as the monitor's does.
+    """
+
+    def __init__(self) -> None:
+        self.measured: list[tuple[int, int]] = []
+        self.estimator = NoiseScaleEstimator(beta=0.9)
+        self._last = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        owner = trainer.callbacks[0]
+        report = owner.last_step_report
+        if report is not self._last:
+            self._last = report
+            if report.noise is not None:
+                self.measured.append((trainer.global_step - 1, owner.noise_windows))
+                self.estimator.add_estimates(*report.noise, windows=owner.noise_windows)
+
+    def state_dict(self):
+        return self.estimator.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.estimator.load_state_dict(state_dict)
+
+
+def test_a_resumed_run_measures_the_windows_an_uninterrupted_one_does(tmp_path):
+    # 10 windows per epoch, every 4th measured: steps 0, 4, 8, 12, ... Before, a run resumed at step 10 measured
+    # 10, 14, 18, ... (the count restarted with the run), and its estimate drifted away from the uninterrupted one.
+    from tests.helpers import IndexedDataset, RegressionModel
+
+    def run(root, epochs, ckpt=None):
+        record = RecordMeasurements()
+        monitor = AccumulationMonitor(gradient_noise_scale=True, noise_scale_interval=4)
+        trainer = make_trainer(root, [AccumulationScheduler(2), monitor, record], max_epochs=epochs)
+        trainer.fit(RegressionModel(lr=0.05), DataLoader(IndexedDataset(80), batch_size=4), ckpt_path=ckpt)
+        return trainer, record
+
+    _, uninterrupted = run(tmp_path / "full", 3)
+    assert [step for step, _ in uninterrupted.measured] == list(range(0, 30, 4))
+    assert [windows for _, windows in uninterrupted.measured] == [1] + [4] * 7
+    trainer, first = run(tmp_path / "first", 1)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    _, resumed = run(tmp_path / "resumed", 3, tmp_path / "mid.ckpt")
+    assert first.measured + resumed.measured == uninterrupted.measured  # steps, and the windows each stands for
+    torch.testing.assert_close(
+        torch.tensor([resumed.estimator.value().grad_sq_norm, resumed.estimator.value().trace_cov]),
+        torch.tensor([uninterrupted.estimator.value().grad_sq_norm, uninterrupted.estimator.value().trace_cov]),
+    )
 
 
 def test_the_noise_scale_interval_is_checked():

@@ -11,17 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum._validation import check_int
 from lightning_accum.distributed import sum_across_ranks_fn
 from lightning_accum.items import resolve_counter
-from lightning_accum.noise_scale import NoiseScaleEstimator, unbiased_estimates
+from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.normalization import (
     ItemCounter,
     LossReduction,
@@ -55,9 +53,7 @@ class AccumulationOwner(Callback):
         self._hooks: BatchHooks = resolve_batch_hooks(None)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
-        self._noise_wanted = False
-        self._noise_every = 1  # measure every this many windows
-        self._first_gradient: tuple[int, Tensor, float | Tensor, float, float] | None = None
+        self._noise_meter = WindowNoiseMeter()
         self._noise: tuple[float, float] | None = None
 
     # ----------------------------------------------------------------------------------------------------------
@@ -107,67 +103,63 @@ class AccumulationOwner(Callback):
         """Estimate the gradient noise scale in every ``every``-th window and put it in the step reports.
 
         Asked by ``AccumulationMonitor(gradient_noise_scale=True)`` and by schedules that adapt to it; when several
-        ask, the most frequent wins. A measured window costs one squared norm over the gradients after the first
-        micro-batch's backward and one at the optimizer step, one host read and, under DDP, one scalar all-reduce; no
-        extra forward, backward or gradient all-reduce. The other windows cost nothing.
+        ask, the most frequent wins. The measured windows are those whose optimizer step (from 0) is a multiple of
+        ``every``, so a resumed run measures the ones an uninterrupted run does. A measured window costs one squared
+        norm over the gradients after the first micro-batch's backward and one at the optimizer step, one host read
+        and, under DDP or FSDP2, one all-reduce of six numbers; no extra forward, backward or gradient collective. The
+        other windows cost nothing.
         """
-        every = check_int(every, "every", 1)
-        self._noise_every = every if not self._noise_wanted else min(self._noise_every, every)
-        self._noise_wanted = True
+        self._noise_meter.request(every)
 
-    def _noise_window(self) -> bool:
-        """Whether this window is measured: the first, then every ``every``-th (the same on every rank)."""
-        return self._noise_wanted and (self.normalizer.windows_started - 1) % self._noise_every == 0
+    @property
+    def noise_windows(self) -> int:
+        """How many windows the last step report's noise measurement stands for (0 when that step has none).
+
+        The windows since the previous measurement, counted from the optimizer steps (and restored on resume), so an
+        average that weighs each measurement by it covers the same span of training in a resumed run.
+        """
+        return self._noise_meter.windows
+
+    def _syncs_first_micro_batch(self, trainer: pl.Trainer) -> bool:
+        """Whether the ranks sync the gradient after the window's first micro-batch, so no rank holds its own."""
+        return False
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.normalizer.micro_batches != 1 or not self._noise_window():
+        normalizer = self.normalizer
+        if normalizer.micro_batches != 1 or not self._noise_meter.wants(trainer.global_step):
+            return
+        if self._syncs_first_micro_batch(trainer):
             return
         # The window's first micro-batch, before any other is added: its buffer holds `n_1 / (r k)` times the mean
-        # gradient over its own items (and the loss scale, under 16-bit mixed precision).
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            normalizer = self.normalizer
-            squared = _squared_norm(grads)
-            scale = _compat.gradient_scale(trainer)
-            self._first_gradient = (
-                normalizer.windows_started,
-                squared,
-                normalizer.first_items,
-                normalizer.divisor,
-                scale,
-            )
+        # gradient over its own items (and the loss scale, under 16-bit mixed precision). Under FSDP2 it sits on
+        # FSDP2's unsharded parameters, the sync being held back.
+        self._noise_meter.capture(
+            trainer.global_step,
+            normalizer.windows_started,
+            _compat.unsynced_gradients(pl_module, list(pl_module.parameters())),
+            normalizer.first_items,
+            normalizer.divisor,
+            _compat.gradient_scale(trainer),
+        )
 
     def _measure_noise(self, trainer: pl.Trainer, params: list[Tensor], totals: WindowTotals) -> None:
         """After the step's gradient is exact: this window's estimates of |G|² and tr(Σ), averaged over ranks."""
         self._noise = None
-        # Rank-consistent conditions only: the collective below must run on every rank or on none. The number of
-        # micro-batches is this rank's (a sampler may give ranks different step batches), so it only decides
-        # whether this rank's pair is valid: a window of one micro-batch has one batch size.
-        if not self._noise_window() or getattr(self, "sync_every_micro_batch", False):
+        # Rank-consistent conditions only: the meter's collective runs on every rank or on none. The number of
+        # micro-batches is this rank's (a sampler may give ranks different step batches): it only decides whether
+        # this rank gives a pair of its own.
+        if self._syncs_first_micro_batch(trainer):
             return
-        local = torch.zeros(3, dtype=torch.float64)
-        capture, self._first_gradient = self._first_gradient, None
-        grads = [p.grad for p in params if p.grad is not None]
-        window = self.normalizer
-        if capture is not None and capture[0] == window.windows_started and window.micro_batches >= 2 and grads:
-            _, small, first_items, divisor, scale = capture
-            small_sq, n_small, big_sq = torch.stack(
-                [
-                    small.double(),
-                    torch.as_tensor(first_items, dtype=torch.float64, device=small.device),
-                    _squared_norm(grads).double().to(small.device),
-                ]
-            ).tolist()
-            if 0 < n_small < totals.items:
-                small_sq *= (divisor / n_small) ** 2 / scale**2
-                local = torch.tensor(
-                    [*unbiased_estimates(small_sq, n_small, big_sq, totals.items), 1.0], dtype=torch.float64
-                )
-        sum_fn = sum_across_ranks_fn(trainer)
-        grad_sq_norm, trace_cov, ranks = (sum_fn(local) if sum_fn is not None else local).tolist()
-        if ranks > 0:
-            self._noise = (grad_sq_norm / ranks, trace_cov / ranks)
+        self._noise = self._noise_meter.measure(
+            trainer.global_step,
+            self.normalizer.windows_started,
+            [p.grad for p in params if p.grad is not None],
+            items=totals.items,
+            micro_batches=self.normalizer.micro_batches,
+            world_size=trainer.world_size,
+            sum_across_ranks=sum_across_ranks_fn(trainer),
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # what happened
@@ -231,6 +223,7 @@ class AccumulationOwner(Callback):
             "consumed_samples": self.consumed_samples,
             "oom_retries": self.oom_retries,
             "normalizer": self.normalizer.state_dict(),
+            "noise_meter": self._noise_meter.state_dict(),
         }
 
     @override
@@ -238,6 +231,7 @@ class AccumulationOwner(Callback):
         self.consumed_samples = int(state_dict.get("consumed_samples", 0))
         self.oom_retries = int(state_dict.get("oom_retries", 0))
         self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
+        self._noise_meter.load_state_dict(state_dict.get("noise_meter", {}))
 
 
 def find_owner(callbacks: list[Any]) -> AccumulationOwner | None:
@@ -255,9 +249,3 @@ def describe_counter(counter: Callable[..., Any] | None) -> str:
 @rank_zero_only
 def log_info(message: str) -> None:
     log.info(message)
-
-
-def _squared_norm(tensors: list[Tensor]) -> Tensor:
-    """The squared L2 norm of all ``tensors`` together, as a tensor (no host read)."""
-    norms = torch._foreach_norm(tensors)  # one fused kernel per device and dtype
-    return torch.stack([n.float() for n in norms]).square().sum()

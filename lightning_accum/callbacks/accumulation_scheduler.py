@@ -20,11 +20,13 @@ from lightning_accum.normalization import ItemCounter, LossReduction, WindowTota
 from lightning_accum.report import AccumulationEvent, LossSum
 from lightning_accum.schedules import (
     AccumulationSchedule,
+    AdaptiveSchedule,
     ConstantSchedule,
     Progress,
     ScheduleUnit,
     as_schedule,
     count_optimizer_steps,
+    scale_learning_rates,
 )
 from lightning_accum.splitting import resolve_batch_hooks
 
@@ -64,7 +66,9 @@ class AccumulationScheduler(AccumulationOwner):
         ValueError: ``k < 1``, schedule keys negative or not increasing, an unknown ``unit`` or ``loss_reduction``,
             or ``schedule`` given together with ``Trainer(accumulate_grad_batches > 1)``.
         RuntimeError: manual optimization (use `lightning_accum.ManualAccumulation`), a strategy that
-            accumulates by itself (DeepSpeed), or Lightning's ``GradientAccumulationScheduler`` in the same Trainer.
+            accumulates by itself (DeepSpeed), Lightning's ``GradientAccumulationScheduler`` in the same Trainer, or
+            `lightning_accum.schedules.AdaptiveBatchSize` with ``sync_every_micro_batch=True`` on several ranks
+            (the noise scale it follows needs each rank's own first micro-batch).
 
     A window whose micro-batches hold no items at all (everything masked) has no mean: its optimizer step is skipped
     (every gradient is set to ``None``, so the optimizer leaves the parameters and their state alone).
@@ -96,6 +100,8 @@ class AccumulationScheduler(AccumulationOwner):
         self.sync_every_micro_batch = sync_every_micro_batch
 
         self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
+        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every step.
+        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
         self._k = 1  # the current window's planned length
         self._k_known = False  # False until the first window of a run: its k is the start, not a change
         self._position = 0  # index of the current micro-batch within its window
@@ -110,8 +116,11 @@ class AccumulationScheduler(AccumulationOwner):
 
     @override
     def noise_scale_in_use(self) -> NoiseScaleEstimator | None:
-        estimator = getattr(self._active_schedule, "estimator", None)
-        return estimator if isinstance(estimator, NoiseScaleEstimator) else None
+        return self._adaptive.estimator if self._adaptive is not None else None
+
+    @override
+    def _syncs_first_micro_batch(self, trainer: pl.Trainer) -> bool:
+        return self.sync_every_micro_batch and trainer.world_size > 1
 
     # ----------------------------------------------------------------------------------------------------------
     # setup and teardown
@@ -125,8 +134,8 @@ class AccumulationScheduler(AccumulationOwner):
         self._validate(trainer, pl_module)
         if self.schedule is None:
             self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
-        if getattr(self._active_schedule, "needs_noise_scale", False):
-            self.measure_noise_scale()  # e.g. `AdaptiveBatchSize`: k follows the measured noise scale
+        if self._adaptive is not None:
+            self.measure_noise_scale()  # k follows the measured noise scale
         self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
         self._claim(trainer)
         # LR schedules sized from `estimated_stepping_batches` in `configure_optimizers` (which runs after this hook)
@@ -166,6 +175,13 @@ class AccumulationScheduler(AccumulationOwner):
             raise RuntimeError(
                 "`AccumulationScheduler` and Lightning's `GradientAccumulationScheduler` both want to own `k`."
                 " Remove `GradientAccumulationScheduler` and pass its `scheduling` dict as `schedule=`."
+            )
+        if self._adaptive is not None and self._syncs_first_micro_batch(trainer):
+            raise RuntimeError(
+                f"`AccumulationScheduler({self.schedule!r}, sync_every_micro_batch=True)` on {trainer.world_size}"
+                " ranks would never adapt k: the noise scale is measured from each rank's own first micro-batch, and"
+                " syncing every micro-batch averages it over the ranks before it can be read. Remove"
+                " `sync_every_micro_batch=True`, or use a fixed schedule."
             )
         if self.schedule is not None and trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -259,16 +275,10 @@ class AccumulationScheduler(AccumulationOwner):
 
     def _scale_learning_rate(self, trainer: pl.Trainer, before: int, after: int) -> str:
         """Apply the schedule's learning-rate rule for a change of ``k`` (``AdaptiveBatchSize(lr_scaling=...)``)."""
-        lr_factor = getattr(self._active_schedule, "lr_factor", None)
-        factor = lr_factor(before, after) if callable(lr_factor) else 1.0
+        factor = self._adaptive.lr_factor(before, after) if self._adaptive is not None else 1.0
         if factor == 1.0:
             return ""
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] *= factor
-        for config in trainer.lr_scheduler_configs:  # a scheduler recomputes the rate from its base rates
-            if hasattr(config.scheduler, "base_lrs"):
-                config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
+        scale_learning_rates(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
         return f"; learning rate x{factor:.4g}"
 
     @override
@@ -305,16 +315,10 @@ class AccumulationScheduler(AccumulationOwner):
             return
         totals, self._totals = self._totals, None
         self._publish_step("window", self._micro_batch_size, totals, self._window_loss)
-        observe = getattr(self._active_schedule, "observe", None)
         report = self.last_step_report
-        if callable(observe) and report is not None:
+        if self._adaptive is not None and report is not None:
             # The figures are global (summed or averaged over ranks), so every rank's schedule decides alike.
-            observe(
-                items=report.items,
-                micro_batches=report.accumulation_steps,
-                world_size=trainer.world_size,
-                noise=report.noise,
-            )
+            self._adaptive.observe(report.items, report.accumulation_steps, trainer.world_size, report.noise)
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
