@@ -56,7 +56,7 @@ class Agreement(NamedTuple):
     used: list[bool] | None  # per parameter, whether any rank produced a gradient (`SyncPolicy.carries_used_flags`)
 
 
-class AgreementFailed(RuntimeError):
+class _AgreementFailed(RuntimeError):
     """The small all-reduce through which the ranks agree on an attempt failed: a peer is gone."""
 
 
@@ -132,7 +132,7 @@ class SplitStepRunner:
         try:
             values = [int(v) for v in max_across_ranks(trainer, tensor).tolist()]
         except Exception as err:
-            raise AgreementFailed(
+            raise _AgreementFailed(
                 f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
                 f" {self.size}) failed: {describe_error(err)}. Another rank most likely stopped (its process exited"
                 " or crashed) while this one waited for it; that rank's traceback says why."
@@ -157,7 +157,7 @@ class SplitStepRunner:
                 outcome = self._attempt(context)
         except _PeerFault as peer:
             agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
-        except AgreementFailed:
+        except _AgreementFailed:
             raise  # the ranks can no longer talk: another collective would fail too, or wait for the timeout
         except Exception as err:  # classified below
             if self._agreed is not None:
