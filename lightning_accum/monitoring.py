@@ -202,11 +202,6 @@ class IntervalTotals:
         self.peak_bytes = 0  # the largest peak an owner measured in the interval (split mode), all ranks
         self.last: StepReport | None = None
 
-    def add_peak(self, fraction: float, memory_limit: str) -> None:
-        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
-        self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
-        self.memory_limit = memory_limit
-
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
         self.samples += report.effective_batch_size
@@ -318,7 +313,10 @@ class FitSummary:
         self.memory_limit = "budget"  # or "capacity", where no budget is set
 
     def add_peak(self, fraction: float, memory_limit: str) -> None:
-        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
+        """A peak (of a logging interval, or of the steps after the last one) as a fraction of the budget or capacity.
+
+        ``memory_limit`` says which: ``"budget"`` or ``"capacity"``.
+        """
         self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
         self.memory_limit = memory_limit
 

@@ -219,6 +219,11 @@ class AccumulationMonitor(Callback):
         if not self.summary:
             return
         self._fit_summary.seconds = time.perf_counter() - self._fit_start - self._validation_seconds
+        if self._interval.steps > 0:  # steps after the last logging step (the whole fit, if it was shorter)
+            # Every rank gets here with the same count (ranks step together): the maximum over ranks is safe.
+            peak, _, capacity = self._memory(trainer, self._interval.peak_bytes)
+            last = self._interval.last
+            self._summarize_peak(peak, None if last is None else last.budget_bytes, capacity)
         if self._owner is None and trainer.world_size > 1:  # counted from this rank's batches: every rank calls this
             self._fit_summary.sum_over_ranks(sum_across_ranks_fn(trainer))
         rank_zero_info(self._fit_summary.text())
@@ -368,13 +373,18 @@ class AccumulationMonitor(Callback):
 
     def _show_memory(self, trainer: pl.Trainer, peak: int, budget: float | None, capacity: int) -> None:
         """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
+        fraction = self._summarize_peak(peak, budget, capacity)
+        if self.progress_bar and fraction is not None:
+            _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
+
+    def _summarize_peak(self, peak: int, budget: float | None, capacity: int) -> float | None:
+        """Count ``peak`` into the end-of-fit summary; returns it as a fraction of the budget (or capacity)."""
         limit = budget if budget is not None else capacity
         if limit <= 0:
-            return
+            return None
         fraction = peak / limit
         self._fit_summary.add_peak(fraction, "budget" if budget is not None else "capacity")
-        if self.progress_bar:
-            _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
+        return fraction
 
     def _noise_metrics(self) -> dict[str, float]:
         estimate = (self._noise_in_use or self.noise_scale).value()

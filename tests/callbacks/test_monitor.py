@@ -579,3 +579,59 @@ def test_monitor_options_prefix_training_time_and_per_rank_memory(tmp_path):
 def test_a_bad_key_prefix_is_refused():
     with pytest.raises(TypeError, match=r"`key_prefix` must be a str"):
         AccumulationMonitor(key_prefix=3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the summary's peak is the peak of the whole fit (issue 19, item 6)
+# ----------------------------------------------------------------------------------------------------------------
+def summary_line(caplog: pytest.LogCaptureFixture) -> str:
+    return next(
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("lightning_accum: ") and "optimizer steps" in r.getMessage()
+    )
+
+
+def test_a_run_shorter_than_the_logging_interval_still_gives_its_peak(tmp_path, caplog):
+    # 4 steps at the default interval of 50: no logging step at all.
+    import logging
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    with caplog.at_level(logging.INFO):
+        fit(
+            tmp_path,
+            [AccumulationScheduler(2), AccumulationMonitor()],
+            csv_logger,
+            n=32,
+            max_epochs=1,
+            log_every_n_steps=50,
+        )
+    assert "peak memory" in summary_line(caplog) and "of the capacity" in summary_line(caplog)
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert 0 < logged["peak_fraction_of_capacity"] < 1
+
+
+def test_the_summary_peak_covers_the_steps_after_the_last_logging_step(tmp_path):
+    # 6 steps, logged every 4th: the block held in step 5 comes after the last logging step (step 3).
+    spike = 512 * 1024**2
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    monitor = AccumulationMonitor(logging_interval=4)
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], logger=csv_logger)
+    trainer.fit(AllocatesAtStep(step=5, n_bytes=spike), DataLoader(IndexedDataset(48), batch_size=4))
+    assert trainer.global_step == 6
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [3]
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    summary_peak_gib = logged["peak_fraction_of_capacity"] * rows[3][keys.CAPACITY_GIB]
+    assert summary_peak_gib - rows[3][keys.PEAK_GIB] > 0.8 * spike / GIB
+
+
+def test_interval_totals_has_no_stray_add_peak():
+    # Issue 20, item 8: a copy of `FitSummary.add_peak` that nothing called, and that raised AttributeError.
+    from lightning_accum.monitoring import FitSummary, IntervalTotals
+
+    assert not hasattr(IntervalTotals(), "add_peak")
+    summary = FitSummary()
+    summary.add_peak(0.5, "budget")
+    summary.add_peak(0.25, "budget")
+    assert (summary.peak_fraction, summary.memory_limit) == (0.5, "budget")
