@@ -97,7 +97,8 @@ class AccumulationMonitor(Callback):
             weighs as much as the ``n`` windows it stands for, so the average covers the same span of training; the
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
         progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
-            (``mem``; of the capacity without a budget, updated at logging steps) in Lightning's progress bar.
+            (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
+            Lightning's progress bar.
         key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
         per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
         summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
@@ -375,7 +376,9 @@ class AccumulationMonitor(Callback):
         """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
         fraction = self._summarize_peak(peak, budget, capacity)
         if self.progress_bar and fraction is not None:
-            _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
+            # The label says what it is a fraction of; as text, so that Rich and tqdm both draw two decimals.
+            label = "mem/budget" if budget is not None else "mem/capacity"
+            _compat.set_progress_bar_metrics(trainer, {label: f"{fraction:.2f}"})
 
     def _summarize_peak(self, peak: int, budget: float | None, capacity: int) -> float | None:
         """Count ``peak`` into the end-of-fit summary; returns it as a fraction of the budget (or capacity)."""

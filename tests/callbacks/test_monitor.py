@@ -488,27 +488,32 @@ def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
 # what a user sees while it runs and at the end (issue 14, items 1 and 2)
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bar", ["tqdm", "rich"])
-def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar):
+@pytest.mark.parametrize("budget", [True, False])
+def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar, budget):
+    # Issue 19, item 8: the label says what the memory figure is a fraction of (`mem=0.98` did not).
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from lightning_accum import AutoMicroBatching
 
     progress = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
     model = RegressionModel()
-    model.split_mode = True
-    owner = AutoMicroBatching(4, max_memory=0.5)
+    model.split_mode = budget
+    owner = AutoMicroBatching(4, max_memory=0.5) if budget else AccumulationScheduler(4)
+    label = "mem/budget" if budget else "mem/capacity"
     trainer = make_trainer(tmp_path, [owner, AccumulationMonitor(), progress], enable_progress_bar=True)
-    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16))
+    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16 if budget else 4))
     shown = progress.get_metrics(trainer, model)  # what the bar draws next to the loss
     assert shown["mb"] == "4" and shown["k"] == "4"  # text: Rich would draw a number as "4.000"
-    assert 0 < shown["mem"] < 1  # the peak as a fraction of the budget (half the machine's memory)
+    assert "mem" not in shown
+    # The peak as a fraction of the budget (half the machine's memory), or of the capacity without one.
+    assert 0 < float(shown[label]) < 1 and shown[label] == f"{float(shown[label]):.2f}"
     # ...and the line each bar drew last (Lightning internals: the tqdm postfix, Rich's metrics column).
     if bar == "tqdm":
         drawn = progress.train_progress_bar.postfix
-        assert drawn.startswith("mb=4, k=4, mem=0.") and drawn.endswith(f"{shown['mem']:.3f}"), drawn
+        assert drawn.startswith("mb=4, k=4, ") and drawn.endswith(f"{label}={shown[label]}"), drawn
     else:
         drawn = " ".join(progress._metric_component._generate_metrics_texts())
-        assert drawn.startswith("mb: 4 k: 4 mem: 0."), drawn
+        assert drawn.startswith("mb: 4 k: 4 ") and drawn.endswith(f"{label}: {shown[label]}"), drawn
 
 
 def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
@@ -522,7 +527,7 @@ def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
         enable_progress_bar=True,
     )
     trainer.fit(model, DataLoader(IndexedDataset(16), batch_size=4))
-    assert not {"mb", "k", "mem"} & progress.get_metrics(trainer, model).keys()
+    assert not {"mb", "k", "mem/budget", "mem/capacity"} & progress.get_metrics(trainer, model).keys()
 
 
 def test_the_end_of_fit_summary_is_printed_and_logged(tmp_path, caplog):
