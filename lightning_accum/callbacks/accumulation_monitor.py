@@ -7,10 +7,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -21,12 +21,16 @@ from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_fraction
 from lightning_accum.monitoring import (
+    LOGGED_KEYS,
     FitSummary,
     IntervalTotals,
     LightningWindows,
     StepFigures,
     WeightedMean,
     event_metrics,
+    every_step_keys,
+    mean_loss,
+    step_metrics,
     to_gib,
 )
 from lightning_accum.noise_scale import NoiseScaleEstimator
@@ -43,7 +47,12 @@ class AccumulationMonitor(Callback):
     Metrics go to every logger in ``trainer.loggers`` on rank zero, on Lightning's own step axis: the step that
     ``self.log``, ``LearningRateMonitor`` and ``ThroughputMonitor`` use for the same optimizer step (the first step
     is 0). They also reach ``trainer.callback_metrics``, so
-    ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them. With a ``WandbLogger``,
+    ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them: at a logging step, what the
+    loggers got; at every other optimizer step, what needs no collective and no host read (the step's batch figures,
+    and on one process the window loss since the previous logging step; see
+    `lightning_accum.monitoring.every_step_keys`). Memory and throughput are figures of a logging interval and change
+    at logging steps only; a ``ModelCheckpoint`` that reads one of them (or, under DDP, the window loss) between
+    logging steps is warned about when training starts. With a ``WandbLogger``,
     the keys are also defined against ``trainer/global_step`` (memory peaks summarised by their maximum) and the
     accumulation settings are put into the run config under ``lightning_accum``.
 
@@ -170,6 +179,9 @@ class AccumulationMonitor(Callback):
         self._excluded_seconds = 0.0
         self._validation_start: float | None = None
         self._noise_in_use: NoiseScaleEstimator | None = None  # a schedule's average that decides k, if any
+        self._every_step: tuple[str, ...] = ()  # the keys put into `callback_metrics` between logging steps too
+        self._step_tensors: dict[str, Tensor] = {}  # their last values, reused while they don't change
+        self._step_values: tuple[float, ...] = ()
 
     # ----------------------------------------------------------------------------------------------------------
     # setup
@@ -198,6 +210,10 @@ class AccumulationMonitor(Callback):
             self._windows_since_noise = 0
             # Where a schedule follows the noise scale, its own average is the one worth seeing: it decides k.
             self._noise_in_use = self._owner.noise_scale_in_use()
+        self._every_step = every_step_keys(
+            has_owner=self._owner is not None, world_size=trainer.world_size, noise_scale=self.gradient_noise_scale
+        )
+        self._warn_late_readers(trainer)
         self._interval.reset()
         self._windows = LightningWindows()
         self._last_report = self._owner.last_step_report if self._owner is not None else None
@@ -296,9 +312,66 @@ class AccumulationMonitor(Callback):
             self.noise_scale.add_estimates(*report.noise, windows=self._windows_since_noise)
             self._windows_since_noise = 0
         step = _compat.logging_step(trainer)
-        interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        interval = self._logging_every(trainer)
         if interval > 0 and (step + 1) % interval == 0:
             self._log(trainer, step)
+        else:
+            self._publish_step(trainer)
+
+    def _logging_every(self, trainer: pl.Trainer) -> int:
+        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+
+    def _publish_step(self, trainer: pl.Trainer) -> None:
+        """Between logging steps, what a callback (``ModelCheckpoint``, ``EarlyStopping``) can read at this step.
+
+        The figures a logging step here would log, where they need no collective and no host read (see
+        `lightning_accum.monitoring.every_step_keys`): host numbers, and the window loss as a tensor on its device.
+        """
+        wanted, last = self._every_step, self._interval.last
+        if not wanted or last is None:
+            return
+        values = step_metrics(last) if keys.EFFECTIVE_BATCH_SIZE in wanted else {}
+        if self.gradient_noise_scale:
+            values.update(self._noise_metrics())
+        if tuple(values.values()) != self._step_values:  # new tensors only when a figure changes (rare)
+            self._step_values = tuple(values.values())
+            self._step_tensors = {self.key_prefix + key: torch.tensor(value) for key, value in values.items()}
+        metrics: dict[str, float | Tensor] = dict(self._step_tensors)
+        if keys.WINDOW_LOSS in wanted:
+            metrics[self.key_prefix + keys.WINDOW_LOSS] = mean_loss(self._interval.loss)
+        _compat.set_callback_metrics(trainer, metrics)
+
+    def _warn_late_readers(self, trainer: pl.Trainer) -> None:
+        """Warn about a ``ModelCheckpoint`` that reads a key between the logging steps, where it is not refreshed."""
+        interval = self._logging_every(trainer)
+        if interval == 1:
+            return
+        for callback in trainer.callbacks:
+            monitor = getattr(callback, "monitor", None)
+            if not isinstance(callback, ModelCheckpoint) or not isinstance(monitor, str):
+                continue
+            key = monitor.removeprefix(self.key_prefix) if monitor.startswith(self.key_prefix) else None
+            if key is None or key in self._every_step or not (key in LOGGED_KEYS or key.startswith("memory/rank")):
+                continue
+            every, by_time = _compat.checkpoint_step_schedule(callback)
+            if (every < 1 or (interval > 0 and every % interval == 0)) and not by_time:
+                continue
+            when = f"every_n_train_steps={every}" if every >= 1 else "train_time_interval=..."
+            logs = f"every {interval} optimizer steps" if interval > 0 else "never: `log_every_n_steps=0`"
+            rank_zero_warn(
+                f"`ModelCheckpoint(monitor={monitor!r}, {when})` reads its key more often than `AccumulationMonitor`"
+                f" logs it ({logs}): {self._why_not_every_step(key)}, so between logging steps the checkpoint sees"
+                " the last logging step's value, or none before the first. Set"
+                f" `AccumulationMonitor(logging_interval=...)` to a divisor of {max(every, 1)}, or"
+                f" `every_n_train_steps` to a multiple of {max(interval, 1)}."
+            )
+
+    def _why_not_every_step(self, key: str) -> str:
+        if key == keys.WINDOW_LOSS:
+            return f"under DDP, `{key}` is summed over the ranks at logging steps only (one small all-reduce each)"
+        if key in keys.BATCH_KEYS or key == keys.OOM_RETRIES:
+            return f"without an accumulation owner under DDP, `{key}` is summed over the ranks at logging steps only"
+        return f"`{key}` is a figure of a logging interval"
 
     def _step_report(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> StepReport | None:
         """The report of the optimizer step that just ended, or ``None`` inside a window."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -640,3 +642,217 @@ def test_interval_totals_has_no_stray_add_peak():
     summary.add_peak(0.5, "budget")
     summary.add_peak(0.25, "budget")
     assert (summary.peak_fraction, summary.memory_limit) == (0.5, "budget")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# between logging steps: what ModelCheckpoint and EarlyStopping can read at every step (issue 18, item 7)
+# ----------------------------------------------------------------------------------------------------------------
+class RecordsStepMetrics(pl.Callback):
+    """Put after the monitor: what `trainer.callback_metrics` holds at the end of each optimizer step."""
+
+    def __init__(self) -> None:
+        self.by_step: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > len(self.by_step):
+            self.by_step.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+
+class RecordsMicroBatchLosses(RegressionModel):
+    """Records each micro-batch's loss, its samples and the optimizer step it belongs to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[tuple[float, int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append((float(loss), len(batch["x"]), self.global_step))
+        return loss
+
+
+def interval_mean(losses: list[tuple[float, int, int]], first: int, last: int) -> float:
+    """The item-weighted mean loss of the optimizer steps ``first`` to ``last``."""
+    seen = [(loss, n) for loss, n, step in losses if first <= step <= last]
+    return sum(loss * n for loss, n in seen) / sum(n for _, n in seen)
+
+
+def test_model_checkpoint_every_step_sees_the_window_loss_between_logging_steps(tmp_path):
+    # The issue's case: 10 steps at the default interval (Trainer(log_every_n_steps=50)) saved nothing, because the
+    # monitor's keys reached `trainer.callback_metrics` only at its logging steps.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor=keys.WINDOW_LOSS, mode="min", every_n_train_steps=1, save_top_k=-1
+    )
+    model = RecordsMicroBatchLosses()
+    trainer = make_trainer(
+        tmp_path,
+        [AccumulationScheduler(2), AccumulationMonitor(), checkpoint],
+        enable_checkpointing=True,
+        log_every_n_steps=50,
+    )
+    trainer.fit(model, DataLoader(IndexedDataset(80), batch_size=4))
+    assert trainer.global_step == 10
+    assert len(checkpoint.best_k_models) == 10
+    # No logging step yet: at each step the window loss covers every step so far.
+    scores = sorted(float(score) for score in checkpoint.best_k_models.values())
+    assert scores == pytest.approx(sorted(interval_mean(model.losses, 0, s) for s in range(10)), rel=1e-6)
+
+
+def test_between_logging_steps_callbacks_see_the_step_figures_and_the_window_loss_so_far(tmp_path):
+    # 19 micro-batches at k=2: 9 windows of 2 and a tail of 1; logged at steps 3 and 7.
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    model = RecordsMicroBatchLosses()
+    seen = RecordsStepMetrics()
+    monitor = AccumulationMonitor(logging_interval=4)
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor, seen], logger=csv_logger)
+    trainer.fit(model, DataLoader(IndexedDataset(76), batch_size=4))
+    assert trainer.global_step == len(seen.by_step) == 10
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [3, 7]
+    for step, metrics in enumerate(seen.by_step):
+        k = 2 if step < 9 else 1
+        assert metrics[keys.ACCUMULATION_STEPS] == k and metrics[keys.EFFECTIVE_BATCH_SIZE] == 4 * k
+        assert metrics[keys.ITEMS_PER_STEP] == 4 * k and metrics[keys.MICRO_BATCH_SIZE] == 4
+        assert metrics[keys.OOM_RETRIES] == 0
+        # The window loss since the previous logging step: what the monitor would log if this step were one.
+        first = 0 if step <= 3 else 4 if step <= 7 else 8
+        assert metrics[keys.WINDOW_LOSS] == pytest.approx(interval_mean(model.losses, first, step), rel=1e-6)
+        if step in rows:  # at a logging step, what the loggers got
+            assert metrics[keys.WINDOW_LOSS] == pytest.approx(rows[step][keys.WINDOW_LOSS], rel=1e-6)
+            assert EVERY_STEP_KEYS <= metrics.keys()
+    # Memory and throughput are figures of a logging interval: none before the first logging step.
+    assert not {keys.PEAK_GIB, keys.SAMPLES_PER_SEC} & seen.by_step[2].keys()
+
+
+def test_a_checkpoint_that_reads_an_interval_figure_between_logging_steps_is_warned_about(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(monitor: str, every_n_train_steps: int) -> list[str]:
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", monitor=monitor, every_n_train_steps=every_n_train_steps, save_top_k=1
+        )
+        trainer = make_trainer(
+            tmp_path,
+            [AccumulationScheduler(2), AccumulationMonitor(key_prefix="run2/"), checkpoint],
+            enable_checkpointing=True,
+            log_every_n_steps=4,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(RegressionModel(), DataLoader(IndexedDataset(32), batch_size=4))
+        return [str(w.message) for w in caught if "AccumulationMonitor" in str(w.message)]
+
+    (message,) = run("run2/memory/peak_gib", 2)
+    assert re.search(
+        r"`ModelCheckpoint\(monitor='run2/memory/peak_gib', every_n_train_steps=2\)` reads.*more often than"
+        r" `AccumulationMonitor` logs it \(every 4 optimizer steps\).*figure of a logging interval.*"
+        r"`every_n_train_steps` to a multiple of 4",
+        message,
+    ), message
+    assert run("run2/memory/peak_gib", 8) == []  # it reads at logging steps only
+    assert run("run2/" + keys.WINDOW_LOSS, 1) == []  # available at every step on one process
+
+
+@pytest.mark.parametrize(
+    ("owner", "world_size", "expected"),
+    [
+        (True, 1, {*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS}),
+        (False, 1, {*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS}),
+        # Under DDP only what needs no collective: an owner's counts are global already; the window loss is each
+        # rank's own sum until a logging step adds them up, and plain Lightning counts this rank's batches.
+        (True, 2, {*keys.BATCH_KEYS, keys.OOM_RETRIES}),
+        (False, 2, set()),
+    ],
+)
+def test_which_keys_are_there_at_every_step(owner, world_size, expected):
+    from lightning_accum.monitoring import every_step_keys
+
+    assert set(every_step_keys(has_owner=owner, world_size=world_size, noise_scale=False)) == expected
+    with_noise = every_step_keys(has_owner=True, world_size=world_size, noise_scale=True)
+    assert set(keys.NOISE_SCALE_KEYS) <= set(with_noise)  # averaged over ranks when measured
+
+
+class CountsCollectives(AccumulationMonitor):
+    """The monitor, counting the collectives its own step hook makes, per optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.collectives: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch.distributed as dist
+
+        names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce")
+        originals = {name: getattr(dist, name) for name in names}
+        count = [0]
+
+        def counting(fn):
+            def call(*args, **kwargs):
+                count[0] += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        for name, fn in originals.items():
+            setattr(dist, name, counting(fn))
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        if trainer.global_step > len(self.collectives):
+            self.collectives.append(count[0])
+
+
+class WritesStepMetrics(RecordsStepMetrics):
+    """What each rank's `callback_metrics` held at each step, and its monitor's collectives, into a JSON file."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, CountsCollectives))
+        record = {"metrics": self.by_step, "collectives": monitor.collectives}
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_between_logging_steps_the_owners_figures_are_there_without_a_new_collective(tmp_path):
+    import json
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    callbacks = [AccumulationScheduler(2), CountsCollectives(logging_interval=3), WritesStepMetrics(tmp_path)]
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=2)
+    # 28 samples a rank in micro-batches of 2 at k=2: 7 steps, logged at steps 2 and 5; step 6 comes after the last.
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(56), batch_size=2))
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [2, 5]
+    for rank in ranks:
+        assert len(rank["metrics"]) == 7
+        for step, metrics in enumerate(rank["metrics"]):
+            assert metrics[keys.EFFECTIVE_BATCH_SIZE] == 2 * 2 * 2 and metrics[keys.ACCUMULATION_STEPS] == 2
+            assert metrics[keys.ITEMS_PER_STEP] == 8 and metrics[keys.MICRO_BATCH_SIZE] == 2
+            # The window loss needs a sum over ranks: refreshed at logging steps only (and warned about).
+            logged = max((s for s in rows if s <= step), default=None)
+            if logged is None:
+                assert keys.WINDOW_LOSS not in metrics
+            else:
+                assert metrics[keys.WINDOW_LOSS] == pytest.approx(rows[logged][keys.WINDOW_LOSS], rel=1e-6)
+        # No collective between logging steps; the logging steps' own (the same on both ranks).
+        assert [n for s, n in enumerate(rank["collectives"]) if s not in rows] == [0] * 5
+        assert all(n > 0 for s, n in enumerate(rank["collectives"]) if s in rows)
+    shared = (*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS)  # (a rank's own clock times its throughput)
+    assert [{k: m[k] for k in shared if k in m} for m in ranks[0]["metrics"]] == [
+        {k: m[k] for k in shared if k in m} for m in ranks[1]["metrics"]
+    ]
+    summary = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert summary["steps"] == 7 and 0 < summary["peak_fraction_of_capacity"] < 1
