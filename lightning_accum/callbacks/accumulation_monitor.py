@@ -180,8 +180,7 @@ class AccumulationMonitor(Callback):
         self._validation_start: float | None = None
         self._noise_in_use: NoiseScaleEstimator | None = None  # a schedule's average that decides k, if any
         self._every_step: tuple[str, ...] = ()  # the keys put into `callback_metrics` between logging steps too
-        self._step_tensors: dict[str, Tensor] = {}  # their last values, reused while they don't change
-        self._step_values: tuple[float, ...] = ()
+        self._step_values: tuple[Any, ...] = ()  # the batch figures last put there
 
     # ----------------------------------------------------------------------------------------------------------
     # setup
@@ -214,6 +213,7 @@ class AccumulationMonitor(Callback):
             has_owner=self._owner is not None, world_size=trainer.world_size, noise_scale=self.gradient_noise_scale
         )
         self._warn_late_readers(trainer)
+        self._step_values = ()  # the Trainer has just emptied `callback_metrics`
         self._interval.reset()
         self._windows = LightningWindows()
         self._last_report = self._owner.last_step_report if self._owner is not None else None
@@ -330,16 +330,20 @@ class AccumulationMonitor(Callback):
         wanted, last = self._every_step, self._interval.last
         if not wanted or last is None:
             return
-        values = step_metrics(last) if keys.EFFECTIVE_BATCH_SIZE in wanted else {}
-        if self.gradient_noise_scale:
-            values.update(self._noise_metrics())
-        if tuple(values.values()) != self._step_values:  # new tensors only when a figure changes (rare)
-            self._step_values = tuple(values.values())
-            self._step_tensors = {self.key_prefix + key: torch.tensor(value) for key, value in values.items()}
-        metrics: dict[str, float | Tensor] = dict(self._step_tensors)
+        metrics: dict[str, float | Tensor] = {}
+        # `callback_metrics` keeps what is put there through training (the Trainer empties it before, at the start of
+        # a run and around the sanity check): batch figures go in again only when they change, which is rare.
+        figures = (last.effective_batch_size, last.micro_batch_size, last.accumulation_steps, last.items)
+        values = (*figures, last.oom_retries, *(self._noise_metrics().values() if self.gradient_noise_scale else ()))
+        if values != self._step_values:
+            self._step_values = values
+            batch = step_metrics(last) if keys.EFFECTIVE_BATCH_SIZE in wanted else {}
+            noise = self._noise_metrics() if self.gradient_noise_scale else {}
+            metrics.update({self.key_prefix + key: value for key, value in {**batch, **noise}.items()})
         if keys.WINDOW_LOSS in wanted:
             metrics[self.key_prefix + keys.WINDOW_LOSS] = mean_loss(self._interval.loss)
-        _compat.set_callback_metrics(trainer, metrics)
+        if metrics:
+            _compat.set_callback_metrics(trainer, metrics)
 
     def _warn_late_readers(self, trainer: pl.Trainer) -> None:
         """Warn about a ``ModelCheckpoint`` that reads a key between the logging steps, where it is not refreshed."""

@@ -700,13 +700,15 @@ def test_model_checkpoint_every_step_sees_the_window_loss_between_logging_steps(
     assert scores == pytest.approx(sorted(interval_mean(model.losses, 0, s) for s in range(10)), rel=1e-6)
 
 
-def test_between_logging_steps_callbacks_see_the_step_figures_and_the_window_loss_so_far(tmp_path):
+@pytest.mark.parametrize("owner", ["scheduler", "plain"])
+def test_between_logging_steps_callbacks_see_the_step_figures_and_the_window_loss_so_far(tmp_path, owner):
     # 19 micro-batches at k=2: 9 windows of 2 and a tail of 1; logged at steps 3 and 7.
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     model = RecordsMicroBatchLosses()
     seen = RecordsStepMetrics()
-    monitor = AccumulationMonitor(logging_interval=4)
-    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor, seen], logger=csv_logger)
+    callbacks, kwargs = monitor_with_owner(owner, 2)
+    callbacks[-1] = AccumulationMonitor(logging_interval=4)
+    trainer = make_trainer(tmp_path, [*callbacks, seen], logger=csv_logger, **kwargs)
     trainer.fit(model, DataLoader(IndexedDataset(76), batch_size=4))
     assert trainer.global_step == len(seen.by_step) == 10
     rows = read_csv(csv_logger.log_dir)
@@ -856,3 +858,13 @@ def test_ddp_between_logging_steps_the_owners_figures_are_there_without_a_new_co
     ]
     summary = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
     assert summary["steps"] == 7 and 0 < summary["peak_fraction_of_capacity"] < 1
+
+
+def test_a_second_fit_finds_the_step_figures_again(tmp_path):
+    # Lightning empties `callback_metrics` at the start of a run; figures that did not change must go in again.
+    monitor = AccumulationMonitor(logging_interval=50)
+    for _ in range(2):
+        seen = RecordsStepMetrics()
+        trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor, seen])
+        trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
+        assert [metrics[keys.EFFECTIVE_BATCH_SIZE] for metrics in seen.by_step] == [8, 8]
