@@ -362,12 +362,12 @@ class AccumulationMonitor(Callback):
                 continue
             when = f"every_n_train_steps={every}" if every >= 1 else "train_time_interval=..."
             logs = f"every {interval} optimizer steps" if interval > 0 else "never: `log_every_n_steps=0`"
+            fix = "=1)`" if every <= 1 else f"=...)` to a divisor of {every}"
             rank_zero_warn(
                 f"`ModelCheckpoint(monitor={monitor!r}, {when})` reads its key more often than `AccumulationMonitor`"
                 f" logs it ({logs}): {self._why_not_every_step(key)}, so between logging steps the checkpoint sees"
-                " the last logging step's value, or none before the first. Set"
-                f" `AccumulationMonitor(logging_interval=...)` to a divisor of {max(every, 1)}, or"
-                f" `every_n_train_steps` to a multiple of {max(interval, 1)}."
+                f" the last logging step's value, or none before the first. Set `AccumulationMonitor(logging_interval"
+                f"{fix}, or `every_n_train_steps` to a multiple of {max(interval, 1)}."
             )
 
     def _why_not_every_step(self, key: str) -> str:
