@@ -86,12 +86,14 @@ class AccumulationMonitor(Callback):
         ``memory/alloc_retries``            count        every logging step, CUDA/XPU only, cumulative
         ``memory/rank{r}/peak_gib``         GiB          with ``per_rank_memory=True``: each rank's peak
         ``accum/gradient_noise_scale``      items        with ``gradient_noise_scale=True`` (also
-                                                         ``accum/grad_sq_norm``, ``accum/grad_trace_cov``)
+                                                         ``accum/grad_sq_norm``, ``accum/grad_trace_cov``,
+                                                         ``accum/noise_scale_skipped``)
         ``events/*``                        size after   at the logging step that follows the event
         ==================================  ===========  ==================================================
 
     With ``gradient_noise_scale=True`` it also logs ``accum/gradient_noise_scale`` (``B_simple = tr(Σ)/|G|²`` in
-    items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``) and ``accum/grad_trace_cov`` (``tr(Σ)``):
+    items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``), ``accum/grad_trace_cov`` (``tr(Σ)``) and
+    ``accum/noise_scale_skipped`` (windows whose estimate was NaN or inf and left out of the average, cumulative):
     unbiased estimates from each window's first micro-batch and whole window, smoothed by a bias-corrected moving
     average over windows (``noise_scale_beta``). It needs windows of at least two micro-batches. Where the schedule
     follows the noise scale (`lightning_accum.schedules.AdaptiveBatchSize`), the schedule's own average is logged
@@ -103,7 +105,8 @@ class AccumulationMonitor(Callback):
             loss cover the whole interval; batch figures describe its last step.
         gradient_noise_scale: also estimate and log the gradient noise scale (needs an accumulation owner).
         noise_scale_beta: the moving average's decay per window, in ``[0, 1)``.
-        noise_scale_interval: measure every this many windows (the first, then every n-th). Each measurement then
+        noise_scale_interval: measure the windows whose optimizer step (from 0) is a multiple of this, so that a
+            resumed run measures the windows an uninterrupted one does. Each measurement then
             weighs as much as the ``n`` windows it stands for, so the average covers the same span of training; the
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
         progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
@@ -154,7 +157,6 @@ class AccumulationMonitor(Callback):
         self.noise_scale_interval = check_int(
             noise_scale_interval, "noise_scale_interval", 1, hint="It measures every that many windows; 1 is every."
         )
-        self._windows_since_noise = 0
         self.progress_bar = check_bool(progress_bar, "progress_bar")
         self.summary = check_bool(summary, "summary")
         if not isinstance(key_prefix, str):
@@ -207,7 +209,6 @@ class AccumulationMonitor(Callback):
                     " Trainer's callbacks (e.g. `AccumulationScheduler()` adopts `accumulate_grad_batches`)."
                 )
             self._owner.measure_noise_scale(every=self.noise_scale_interval)
-            self._windows_since_noise = 0
             # Where a schedule follows the noise scale, its own average is the one worth seeing: it decides k.
             self._noise_in_use = self._owner.noise_scale_in_use()
         self._every_step = every_step_keys(
@@ -307,11 +308,10 @@ class AccumulationMonitor(Callback):
             # As text: Rich's bar formats every number with 3 decimals ("mb: 4.000").
             bar = {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
             _compat.set_progress_bar_metrics(trainer, bar)
-        self._windows_since_noise += 1
-        if report.noise is not None and self._noise_in_use is None:
-            # A measurement stands for the windows since the last one (an interval, or windows too short to measure).
-            self.noise_scale.add_estimates(*report.noise, windows=self._windows_since_noise)
-            self._windows_since_noise = 0
+        if report.noise is not None and self._noise_in_use is None and self._owner is not None:
+            # A measurement stands for the windows since the last one (an interval, or windows too short to measure),
+            # counted by the owner from the optimizer steps, so a resumed run weighs them as an uninterrupted one.
+            self.noise_scale.add_estimates(*report.noise, windows=max(1, self._owner.noise_windows))
         step = _compat.logging_step(trainer)
         interval = self._logging_every(trainer)
         if interval > 0 and (step + 1) % interval == 0:
@@ -475,6 +475,7 @@ class AccumulationMonitor(Callback):
             keys.GRADIENT_NOISE_SCALE: estimate.gradient_noise_scale,
             keys.GRAD_SQ_NORM: estimate.grad_sq_norm,
             keys.GRAD_TRACE_COV: estimate.trace_cov,
+            keys.NOISE_SCALE_SKIPPED: estimate.skipped,
         }
 
     @override
