@@ -326,15 +326,28 @@ def gradient_scale(trainer: pl.Trainer) -> float:
     return float(scaler.get_scale())
 
 
-def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, float | Tensor]) -> None:
     """Make ``metrics`` part of ``trainer.callback_metrics``, where ModelCheckpoint and EarlyStopping look.
 
     ``self.log(..., logger=False)`` does the same but costs about 2 ms per key from a callback hook (each key is a
     ``_ResultMetric`` update); the property returns the connector's own dict
     (``_LoggerConnector.callback_metrics`` in ``trainer/connectors/logger_connector/logger_connector.py``), which
-    keeps what is put into it until the next stage resets it.
+    keeps what is put into it until the next stage resets it. A tensor goes in as it is (no host read).
     """
-    trainer.callback_metrics.update({key: torch.tensor(float(value)) for key, value in metrics.items()})
+    trainer.callback_metrics.update(
+        {key: value if isinstance(value, Tensor) else torch.tensor(float(value)) for key, value in metrics.items()}
+    )
+
+
+def checkpoint_step_schedule(checkpoint: Any) -> tuple[int, bool]:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` (0: not by steps) and whether it also saves by training time.
+
+    Lightning keeps both only as private attributes (``ModelCheckpoint._every_n_train_steps`` and
+    ``_train_time_interval`` in ``callbacks/model_checkpoint.py``); ``tests/callbacks/test_monitor.py`` fails if
+    they go.
+    """
+    every = getattr(checkpoint, "_every_n_train_steps", 0)
+    return (every if isinstance(every, int) else 0), getattr(checkpoint, "_train_time_interval", None) is not None
 
 
 def set_progress_bar_metrics(trainer: pl.Trainer, metrics: dict[str, float | int | str]) -> None:

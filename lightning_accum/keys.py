@@ -19,6 +19,7 @@ BUDGET_FRACTION = "memory/budget_fraction"  # the memory budget as a fraction of
 GRADIENT_NOISE_SCALE = "accum/gradient_noise_scale"  # B_simple = tr(Σ) / |G|²
 GRAD_SQ_NORM = "accum/grad_sq_norm"  # |G|²
 GRAD_TRACE_COV = "accum/grad_trace_cov"  # tr(Σ)
+NOISE_SCALE_SKIPPED = "accum/noise_scale_skipped"  # windows whose estimate was NaN or inf, left out; cumulative
 
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
@@ -38,5 +39,5 @@ BATCH_KEYS = (EFFECTIVE_BATCH_SIZE, MICRO_BATCH_SIZE, ACCUMULATION_STEPS, ITEMS_
 MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_FRACTION, ALLOC_RETRIES)
 PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC, TRAIN_SECONDS)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
-NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV)
+NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV, NOISE_SCALE_SKIPPED)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

@@ -144,6 +144,66 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
     return {EVENT_KEY_BY_KIND[event.kind]: float(event.after) for event in events}
 
 
+STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
+"""The figures of one step's own `lightning_accum.report.StepReport`."""
+
+LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS))
+"""Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
+
+
+def every_step_keys(*, has_owner: bool, world_size: int, noise_scale: bool) -> tuple[str, ...]:
+    """The keys the monitor puts into ``trainer.callback_metrics`` at every optimizer step, not only at logging steps.
+
+    Those it knows without a collective or a device sync: the step's batch figures where they are global already (an
+    accumulation owner sums them over ranks; plain Lightning counts this rank's batches), the window loss so far on
+    one process (under DDP each rank holds its own sum until a logging step adds them up) and the noise-scale average
+    (averaged over ranks where measured). Memory, throughput and events are figures of a logging interval.
+
+    Examples:
+        >>> every_step_keys(has_owner=True, world_size=2, noise_scale=False) == STEP_KEYS
+        True
+    """
+    wanted: tuple[str, ...] = STEP_KEYS if has_owner or world_size == 1 else ()
+    if world_size == 1:
+        wanted += (keys.WINDOW_LOSS,)
+    if noise_scale and has_owner:
+        wanted += keys.NOISE_SCALE_KEYS
+    return wanted
+
+
+def step_metrics(report: StepReport) -> dict[str, float]:
+    """The batch figures of one step, as `StepFigures.as_metrics` logs them.
+
+    Examples:
+        >>> step_metrics(StepReport("window", 4, 2, 8, 8.0, 8))["accum/effective_batch_size"]
+        8.0
+    """
+    return {
+        keys.EFFECTIVE_BATCH_SIZE: float(report.effective_batch_size),
+        keys.MICRO_BATCH_SIZE: float(report.micro_batch_size),
+        keys.ACCUMULATION_STEPS: float(report.accumulation_steps),
+        keys.ITEMS_PER_STEP: float(report.items),
+        keys.OOM_RETRIES: float(report.oom_retries),
+    }
+
+
+def mean_loss(loss: LossSum) -> Tensor | float:
+    """The item-weighted mean of ``loss``, as a tensor on its device (no host read); ``nan`` without items.
+
+    Examples:
+        >>> mean_loss(LossSum())
+        nan
+        >>> total = LossSum()
+        >>> total.add(torch.tensor(2.0), n_items=3, loss_reduction="mean")
+        >>> mean_loss(total)
+        tensor(2.)
+    """
+    total, items = loss.total, loss.items
+    if isinstance(total, Tensor) or isinstance(items, Tensor):
+        return total / items  # a tensor, and 0/0 is nan
+    return total / items if items > 0 else math.nan
+
+
 class WeightedMean(Metric):
     """The weighted mean of the values seen since the last reset, summed across processes by torchmetrics.
 
@@ -201,11 +261,6 @@ class IntervalTotals:
         self.events: list[AccumulationEvent] = []
         self.peak_bytes = 0  # the largest peak an owner measured in the interval (split mode), all ranks
         self.last: StepReport | None = None
-
-    def add_peak(self, fraction: float, memory_limit: str) -> None:
-        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
-        self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
-        self.memory_limit = memory_limit
 
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
@@ -318,7 +373,10 @@ class FitSummary:
         self.memory_limit = "budget"  # or "capacity", where no budget is set
 
     def add_peak(self, fraction: float, memory_limit: str) -> None:
-        """A logging step's peak memory as a fraction of the budget (``memory_limit="budget"``) or the capacity."""
+        """A peak (of a logging interval, or of the steps after the last one) as a fraction of the budget or capacity.
+
+        ``memory_limit`` says which: ``"budget"`` or ``"capacity"``.
+        """
         self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
         self.memory_limit = memory_limit
 

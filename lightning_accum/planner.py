@@ -34,6 +34,9 @@ How sizes are chosen:
   smaller micro-batch does not give back): the planner keeps the size and says so once (`budget_unreachable`)
   instead of shrinking to the minimum for nothing. An OOM still shrinks; a peak under the budget, a grow or a new
   phase of the model ends the hold, and a fall of the fixed memory (memory freed) lets the shrinking go on.
+
+The settings (``grow_patience``, ``oom_cooldown``, ...) and their defaults are `PlannerSettings`
+(`lightning_accum.planner_settings`).
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
-from lightning_accum._validation import check_bool, check_int, check_number
+from lightning_accum._validation import check_int, check_number
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.sizes import format_size, format_sizes
+from lightning_accum.planner_settings import PlannerSettings
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
 _STATE_VERSION = 1
+_T = TypeVar("_T")
 
 
 class PlannerEvent(NamedTuple):
@@ -93,28 +98,93 @@ class MicroBatchOOMError(RuntimeError):
         self.per_sample_bytes = per_sample_bytes
 
 
+class _FromSettings(Generic[_T]):
+    """A read-only planner attribute that reads one `PlannerSettings` field: ``planner.grow_patience``."""
+
+    def __init__(self, read: Callable[[PlannerSettings], _T]) -> None:
+        self._read = read
+        self._name = ""
+
+    def __set_name__(self, owner: type[MicroBatchPlanner], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, planner: None, owner: type[MicroBatchPlanner]) -> _FromSettings[_T]: ...
+    @overload
+    def __get__(self, planner: MicroBatchPlanner, owner: type[MicroBatchPlanner]) -> _T: ...
+    def __get__(self, planner: MicroBatchPlanner | None, owner: type[MicroBatchPlanner]) -> _T | _FromSettings[_T]:
+        return self if planner is None else self._read(planner.settings)
+
+    def __set__(self, planner: MicroBatchPlanner, value: object) -> None:
+        # Without this, the assignment would make an instance attribute that the planner never reads.
+        raise AttributeError(
+            f"`MicroBatchPlanner.{self._name}` reads `planner.settings`, which is frozen. Build the planner with the"
+            " setting you want, or replace them all: `planner.settings = dataclasses.replace(planner.settings, ...)`."
+        )
+
+
+@dataclass
+class _History:
+    """What past steps left for the next decision: with the size limit and the memory model, what a checkpoint holds."""
+
+    under: int = 0  # consecutive steps under the low watermark
+    retry_streak: int = 0  # consecutive steps on which the allocator retried
+    failed: dict[int, int] = field(default_factory=dict)  # size that failed -> first step it (or more) may run again
+    last_peak: float | None = None  # the last step's peak and size, for the error at the smallest size
+    last_size: int | None = None
+    # (size, peak) where the current run of over-budget shrinks began: what the shrinks saved since is measured.
+    shrink_start: tuple[int, float] | None = None
+
+    def cool_down(self, size: int, until: int) -> None:
+        self.failed[size] = max(self.failed.get(size, 0), until)
+
+    def cooling_down_from(self, step: int) -> int | None:
+        for size in [s for s, until in self.failed.items() if until <= step]:
+            del self.failed[size]  # expired; dropping it keeps the checkpoint small
+        return min(self.failed) if self.failed else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "under": self.under,
+            "retry_streak": self.retry_streak,
+            "failed": [[size, until] for size, until in sorted(self.failed.items())],
+            "last_peak": self.last_peak,
+            "last_size": self.last_size,
+            "shrink_start": None if self.shrink_start is None else list(self.shrink_start),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> _History:
+        """Missing keys keep their defaults, so older checkpoints still load (``shrink_start`` came with issue 19)."""
+        shrink_start = state.get("shrink_start")
+        return cls(
+            under=int(state.get("under", 0)),
+            retry_streak=int(state.get("retry_streak", 0)),
+            failed={int(size): int(until) for size, until in state.get("failed", [])},
+            last_peak=_optional(float, state.get("last_peak")),
+            last_size=_optional(int, state.get("last_size")),
+            shrink_start=None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1])),
+        )
+
+
 class MicroBatchPlanner:
     """Decides the micro-batch size ``b`` for split mode from measured peaks and OOMs (see the module docstring).
 
+    ``planner.settings`` holds the `PlannerSettings`; each one also reads as an attribute (``planner.grow_patience``,
+    and ``planner.micro_batch_size_setting`` for the setting, since ``planner.micro_batch_size`` is the size in use).
+
     Args:
-        micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's answer when it is
-            already fitted, e.g. after a probe); an int starts there.
-        min_micro_batch_size: never go below this; an OOM at this size raises `MicroBatchOOMError`.
+        settings: a `PlannerSettings`, or its ``micro_batch_size`` with the other settings as keywords (``None``:
+            the default ``micro_batch_size``).
         budget_bytes: the peak memory to stay under. ``None`` disables the budget-driven decisions (shrinking on
             an over-budget peak, growing back, predicting), leaving OOM recovery and allocator-retry shrinking.
-        low_watermark: the fraction of the budget the peak must stay below for the planner to grow; once the memory
-            model is fitted, the fraction of the budget left after the fixed memory.
-        grow_patience: consecutive steps under the low watermark before growing.
-        oom_cooldown: steps before a size that failed (or any larger one) may be tried again.
-        predictive: use the linear memory model; ``False`` halves and doubles.
-        pin_micro_batch_size: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no
-            growing past it. An OOM still shrinks it (the alternative is a crash), and it grows back to it after the
-            cool-down.
-        refit_tolerance: a measured peak further than this fraction from the model's prediction starts a new model.
+            `AutoMicroBatching` sets it once the device is known.
+        **keywords: the other `PlannerSettings` fields, such as ``grow_patience=1``, when ``settings`` is not a
+            `PlannerSettings`.
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: an argument is out of range, or ``pin_micro_batch_size=True`` with ``micro_batch_size="auto"``.
+        TypeError: a setting has the wrong type or is unknown, or keywords come with a `PlannerSettings`.
+        ValueError: ``budget_bytes`` is not a finite number > 0, or a setting is out of range (`PlannerSettings`).
 
     Examples:
         A 64-sample step batch on a device whose peak is ``1 GiB + 0.1 GiB * b``, with a 3 GiB budget:
@@ -137,63 +207,31 @@ class MicroBatchPlanner:
 
     def __init__(
         self,
-        micro_batch_size: int | Literal["auto"] = "auto",
+        settings: PlannerSettings | int | Literal["auto"] | None = None,
         *,
-        min_micro_batch_size: int = 1,
         budget_bytes: float | None = None,
-        low_watermark: float = 0.7,
-        grow_patience: int = 20,
-        oom_cooldown: int = 200,
-        predictive: bool = True,
-        pin_micro_batch_size: bool = False,
-        refit_tolerance: float = 0.25,
+        **keywords: Any,
     ) -> None:
-        if micro_batch_size != "auto":
-            check_int(micro_batch_size, "micro_batch_size", 1, alternative='"auto"')
-        self.micro_batch_size_setting: int | Literal["auto"] = micro_batch_size
-        self.min_micro_batch_size = check_int(min_micro_batch_size, "min_micro_batch_size", 1)
-        if isinstance(micro_batch_size, int) and micro_batch_size < min_micro_batch_size:
-            raise ValueError(
-                f"`micro_batch_size={micro_batch_size}` is below `min_micro_batch_size={min_micro_batch_size}`."
-                " Lower `min_micro_batch_size` or raise `micro_batch_size`."
-            )
+        self.settings = _settings_from(settings, keywords)
         if budget_bytes is not None:
             budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
         self.budget_bytes: float | None = budget_bytes
-        self.low_watermark = check_number(
-            low_watermark,
-            "low_watermark",
-            0,
-            1,
-            min_inclusive=False,
-            max_inclusive=False,
-            kind="fraction of the budget",
-            hint="For example 0.7 grows the micro-batch after the peak stayed under 70% of the budget.",
-        )
-        self.grow_patience = check_int(grow_patience, "grow_patience", 1)
-        self.oom_cooldown = check_int(oom_cooldown, "oom_cooldown", 0)
-        self.predictive = check_bool(predictive, "predictive")
-        self.pin_micro_batch_size = check_bool(pin_micro_batch_size, "pin_micro_batch_size")
-        if pin_micro_batch_size and micro_batch_size == "auto":
-            raise ValueError(
-                '`pin_micro_batch_size=True` needs an int `micro_batch_size` to pin, got "auto". Pass e.g.'
-                " `micro_batch_size=8`, or leave the size unpinned."
-            )
-        self.refit_tolerance = check_number(refit_tolerance, "refit_tolerance", 0, min_inclusive=False)
-
         self.model = LinearPeakModel()
         self.events: list[PlannerEvent] = []
         self._limit: int | None = None  # the largest size believed to fit; the size used is balanced below it
         self._step_batch_size: int | None = None
-        self._under = 0  # consecutive steps under the low watermark
-        self._retry_streak = 0  # consecutive steps on which the allocator retried
-        self._failed: dict[int, int] = {}  # size that failed -> first step at which it (or more) may be tried again
-        self._last_peak: float | None = None
-        self._last_size: int | None = None
-        # (size, peak) where the current run of over-budget shrinks began: what the shrinks saved since is measured.
-        self._shrink_start: tuple[int, float] | None = None
+        self._history = _History()
         self.budget_unreachable: str | None = None
         """After `on_step`: why shrinking cannot bring the peak under the budget, or ``None``."""
+
+    # The settings as attributes, where the callback, the monitor and the CLI read them: `PlannerSettings` has them.
+    micro_batch_size_setting = _FromSettings(lambda settings: settings.micro_batch_size)
+    min_micro_batch_size = _FromSettings(lambda settings: settings.min_micro_batch_size)
+    pin_micro_batch_size = _FromSettings(lambda settings: settings.pin_micro_batch_size)
+    low_watermark = _FromSettings(lambda settings: settings.low_watermark)
+    grow_patience = _FromSettings(lambda settings: settings.grow_patience)
+    oom_cooldown = _FromSettings(lambda settings: settings.oom_cooldown)
+    predictive = _FromSettings(lambda settings: settings.predictive)
 
     # ---- queries ------------------------------------------------------------------------------------------------
 
@@ -202,7 +240,7 @@ class MicroBatchPlanner:
         """The size for the last step batch size seen, or ``None`` before `size_for` was called."""
         if self._limit is None:
             return None
-        return self._balanced(self._limit, self._step_batch_size)
+        return _balanced(self._limit, self._step_batch_size, self.settings.min_micro_batch_size)
 
     def size_for(self, step_batch_size: int) -> int:
         """The micro-batch size for a step batch of ``step_batch_size`` samples.
@@ -214,7 +252,7 @@ class MicroBatchPlanner:
         self._step_batch_size = check_int(step_batch_size, "step_batch_size", 1)
         if self._limit is None:
             self._limit = self._initial_limit(step_batch_size)
-        return self._balanced(self._limit, step_batch_size)
+        return _balanced(self._limit, step_batch_size, self.settings.min_micro_batch_size)
 
     def start_from(self, size: int) -> None:
         """Start an ``"auto"`` run at ``size`` instead of the whole step batch, e.g. a pre-flight's prediction.
@@ -228,7 +266,7 @@ class MicroBatchPlanner:
         """
         size = check_int(size, "size", 1)
         if self._limit is None:
-            self._limit = max(self.min_micro_batch_size, size)
+            self._limit = max(self.settings.min_micro_batch_size, size)
 
     def set_step_batch_size(self, step_batch_size: int) -> None:
         """The step batch size that the next `on_step` or `on_oom` balances its answer for.
@@ -245,9 +283,7 @@ class MicroBatchPlanner:
 
     def cooling_down_from(self, step: int) -> int | None:
         """The smallest size that failed recently: it and every larger size are off limits at ``step``."""
-        for size in [s for s, until in self._failed.items() if until <= step]:
-            del self._failed[size]  # expired; dropping it keeps the checkpoint small
-        return min(self._failed) if self._failed else None
+        return self._history.cooling_down_from(step)
 
     def take_events(self) -> list[PlannerEvent]:
         """Return the decisions recorded since the last call and forget them."""
@@ -264,24 +300,12 @@ class MicroBatchPlanner:
         """
         size = check_int(size, "size", 1)
         step = check_int(step, "step", 0)
-        if size <= self.min_micro_batch_size:
-            raise self._fatal(size, step)
-        target = size // 2
-        reason = f"OOM at {size}: halved"
-        budget = self.budget_bytes
-        if self.predictive and budget is not None and self.model.fitted():
-            predicted = self.model.predict(size)
-            if predicted <= budget:
-                # The model said `size` fits: halve. The model stays: if the run changed (longer sequences), the next
-                # measured peak disagrees with it and starts a new one (`_observe`); if the OOM was fragmentation or
-                # a passing spike, it still knows which sizes fit, and the failed size waits out its cool-down. (A
-                # model thrown away here left one measured size, and with large fixed memory the micro-batch never
-                # grew back.)
-                reason = "OOM at {}, predicted {} <= budget {}: halved".format(size, *format_sizes(predicted, budget))
-            else:
-                fit = self.model.largest_fitting(budget, size - 1)
-                target = size // 2 if fit is None else fit
-                reason = f"OOM at {size}: largest predicted to fit the budget {format_size(budget)}"
+        if size <= self.settings.min_micro_batch_size:
+            last = (self._history.last_peak, self._history.last_size)
+            raise _out_of_memory(size, step, self.settings.min_micro_batch_size, self.budget_bytes, last, self.model)
+        target, reason = size // 2, f"OOM at {size}: halved"
+        if self.settings.predictive and self.budget_bytes is not None and self.model.fitted():
+            target, reason = _after_oom(size, self.budget_bytes, self.model)
         return self._change("oom_recovered", size, target, step, reason)
 
     def on_step(self, size: int, peak_bytes: float, step: int, alloc_retries_delta: int = 0) -> int:
@@ -300,132 +324,96 @@ class MicroBatchPlanner:
         if self._limit is None:
             self._limit = size
         self._observe(size, peak)
-        self._last_peak, self._last_size = peak, size
-        self._retry_streak = self._retry_streak + 1 if retries > 0 else 0
+        history = self._history
+        history.last_peak, history.last_size = peak, size
+        history.retry_streak = history.retry_streak + 1 if retries > 0 else 0
         budget = self.budget_bytes
-        can_shrink = not self.pin_micro_batch_size and size > self.min_micro_batch_size
+        settings = self.settings
+        can_shrink = not settings.pin_micro_batch_size and size > settings.min_micro_batch_size
 
         self.budget_unreachable = None
         if budget is not None and peak > budget:
-            self.budget_unreachable = self._unreachable(size, peak, budget)
+            self.budget_unreachable = _out_of_reach(size, peak, budget, settings, history.shrink_start)
             if can_shrink and self.budget_unreachable is None:
-                if self._shrink_start is None:
-                    self._shrink_start = (size, peak)
+                if history.shrink_start is None:
+                    history.shrink_start = (size, peak)
                 target = self._shrink_target(size, peak, budget)
                 reason = "peak {} > budget {}".format(*format_sizes(peak, budget))
                 return self._change("shrink", size, target, step, reason)
         elif budget is not None:
-            self._shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
-        if self._retry_streak >= 2 and can_shrink:
-            if self.predictive and budget is not None and self.model.fitted():
+            history.shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
+        if history.retry_streak >= 2 and can_shrink:
+            if settings.predictive and budget is not None and self.model.fitted():
                 # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
-                fit = self.model.largest_fitting(self.low_watermark * budget, size - 1)
-                target = size // 2 if fit is None else fit
+                target = _fit_below(self.model, settings.low_watermark * budget, size)
             else:
                 target = size // 2
             return self._change("shrink", size, target, step, "allocator retried on 2 consecutive steps")
 
         if budget is None or peak >= self._low_mark(budget):
-            self._under = 0
+            history.under = 0
             return self._current(size)
-        self._under += 1
-        if self._under < self.grow_patience:
+        history.under += 1
+        if history.under < settings.grow_patience:
             return self._current(size)
-        self._under = 0
-        target = self._grow_target(size, peak, budget, step)
-        if target is None or target <= self._limit:
+        history.under = 0
+        grown = self._grow_target(size, peak, budget, step)
+        if grown is None or grown <= self._limit:
             return self._current(size)
         texts = format_sizes(peak, self._low_mark(budget))
-        reason = f"peak {texts[0]} < low watermark {texts[1]} for {self.grow_patience} steps"
-        return self._change("grow", size, target, step, reason)
+        reason = f"peak {texts[0]} < low watermark {texts[1]} for {settings.grow_patience} steps"
+        return self._change("grow", size, grown, step, reason)
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
     def _low_mark(self, budget: float) -> float:
         fixed = self.model.fixed_bytes if self.model.fitted() else None
         if fixed is None or not 0 <= fixed < budget:
-            return self.low_watermark * budget
-        return fixed + self.low_watermark * (budget - fixed)
+            return self.settings.low_watermark * budget
+        return fixed + self.settings.low_watermark * (budget - fixed)
 
     def _initial_limit(self, step_batch_size: int) -> int:
-        if isinstance(self.micro_batch_size_setting, int):
-            return self.micro_batch_size_setting
-        if self.predictive and self.budget_bytes is not None and self.model.fitted():
+        settings = self.settings
+        if isinstance(settings.micro_batch_size, int):
+            return settings.micro_batch_size
+        if settings.predictive and self.budget_bytes is not None and self.model.fitted():
             fit = self.model.largest_fitting(self.budget_bytes, step_batch_size)
-            return max(self.min_micro_batch_size, fit or 1)
+            return max(settings.min_micro_batch_size, fit or 1)
         return step_batch_size
 
-    def _balanced(self, limit: int, step_batch_size: int | None) -> int:
-        if step_batch_size is None:
-            return limit
-        cap = max(1, min(limit, step_batch_size))
-        k = math.ceil(step_batch_size / cap)
-        balanced = math.ceil(step_batch_size / k)  # <= cap because cap >= step_batch_size / k
-        return balanced if balanced >= min(self.min_micro_batch_size, cap) else cap
-
     def _current(self, size: int) -> int:
-        return size if self._step_batch_size is None else self._balanced(self._limit or size, self._step_batch_size)
+        if self._step_batch_size is None:
+            return size
+        return _balanced(self._limit or size, self._step_batch_size, self.settings.min_micro_batch_size)
 
     def _observe(self, size: int, peak: float) -> None:
         if self.model.fitted():
             predicted = self.model.predict(size)
-            if abs(predicted - peak) > self.refit_tolerance * max(peak, 1.0):
+            if abs(predicted - peak) > self.settings.refit_tolerance * max(peak, 1.0):
                 # Measurements from an earlier phase of training would bend the new fit; start over.
                 self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
-                self._shrink_start = None
+                self._history.shrink_start = None
         self.model.observe(size, peak)
 
-    def _unreachable(self, size: int, peak: float, budget: float) -> str | None:
-        """Why shrinking cannot meet the budget: at the smallest size, or after shrinks that hardly lowered the peak."""
-        fix = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
-        if size <= self.min_micro_batch_size:
-            peak_text, budget_text = format_sizes(peak, budget)
-            return (
-                f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
-                f" micro-batch size ({size}): most of the memory does not depend on the micro-batch, so shrinking"
-                " cannot meet the budget." + fix
-            )
-        if self.pin_micro_batch_size or self._shrink_start is None:
-            return None
-        start, start_peak = self._shrink_start
-        if start < 2 * size:
-            return None  # a shrink to half or less tells what the micro-batch costs; a smaller one is noise-prone
-        per_sample = max(0.0, (start_peak - peak) / (start - size))
-        smallest = peak - per_sample * (size - self.min_micro_batch_size)
-        if smallest <= budget:
-            return None
-        texts = format_sizes(peak, budget, start_peak, smallest)
-        return (
-            f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}), and shrinking the micro-batch does"
-            f" not bring it down: from {start} to {size} samples the peak went from {texts[2]} to {texts[0]}. At"
-            f" that rate even the smallest micro-batch size ({self.min_micro_batch_size}) would peak at {texts[3]}:"
-            " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
-            f" micro-batch size {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
-        )
-
     def _shrink_target(self, size: int, peak: float, budget: float) -> int:
-        if not self.predictive:
+        if not self.settings.predictive:
             return size // 2
         if self.model.fitted():
-            fit = self.model.largest_fitting(budget, size - 1)
-            # No size predicted to fit means the fixed part alone passes the budget. Jumping to the minimum would
-            # then cost most of the throughput for little memory (and on CPU the "fixed" part is often resident
-            # memory that freed tensors left behind): halve, as without a model. If the halving does not lower the
-            # measured peak enough, `_unreachable` stops the shrinking there.
-            return size // 2 if fit is None else fit
+            return _fit_below(self.model, budget, size)
         # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
         # than halving would.
         return min(size // 2, math.floor(size * budget / peak))
 
     def _grow_target(self, size: int, peak: float, budget: float, step: int) -> int | None:
+        settings = self.settings
         cap = self._step_batch_size or size
-        if self.pin_micro_batch_size and isinstance(self.micro_batch_size_setting, int):
-            cap = min(cap, self.micro_batch_size_setting)
+        if settings.pin_micro_batch_size and isinstance(settings.micro_batch_size, int):
+            cap = min(cap, settings.micro_batch_size)
         ceiling = self.cooling_down_from(step)
         allowed = cap if ceiling is None else min(cap, ceiling - 1)
         if allowed <= size:
             return None
-        if not self.predictive:
+        if not settings.predictive:
             doubled = min(2 * size, cap)
             # Probing one below a failed size would creep up on it one OOM at a time; wait for the cool-down.
             return None if doubled > allowed else doubled
@@ -439,40 +427,17 @@ class MicroBatchPlanner:
         before = self._current(size) if kind == "grow" else size
         if kind == "grow":
             self._limit = target
-            self._shrink_start = None
+            self._history.shrink_start = None
         else:
-            target = max(self.min_micro_batch_size, min(target, size - 1))
-            if self.oom_cooldown > 0:
-                self._failed[size] = max(self._failed.get(size, 0), step + self.oom_cooldown)
+            target = max(self.settings.min_micro_batch_size, min(target, size - 1))
+            if self.settings.oom_cooldown > 0:
+                self._history.cool_down(size, until=step + self.settings.oom_cooldown)
             self._limit = target
-            self._under = 0
-            self._retry_streak = 0
+            self._history.under = self._history.retry_streak = 0
         after = self._current(target)
         if after != before or kind != "grow":
             self.events.append(PlannerEvent(step, kind, size, after, reason))
         return after
-
-    def _fatal(self, size: int, step: int) -> MicroBatchOOMError:
-        figures = [f"budget {format_size(self.budget_bytes)}" if self.budget_bytes is not None else "no budget set"]
-        if self._last_peak is not None:
-            figures.append(f"last measured peak {format_size(self._last_peak)} at size {self._last_size}")
-        if self.model.fitted():
-            figures.append(
-                f"memory model: {format_size(self.model.fixed_bytes or 0.0)} fixed"
-                f" + {format_size(self.model.per_sample_bytes or 0.0)} per sample"
-            )
-        return MicroBatchOOMError(
-            f"Out of memory at micro-batch size {size} at step {step}, and `min_micro_batch_size` is"
-            f" {self.min_micro_batch_size}, so the planner cannot shrink further ({'; '.join(figures)}). Lower the"
-            " memory per sample (mixed precision, activation checkpointing), the fixed memory (a sharded strategy, a"
-            " smaller optimizer state), or `min_micro_batch_size`.",
-            micro_batch_size=size,
-            step=step,
-            budget_bytes=self.budget_bytes,
-            last_peak_bytes=self._last_peak,
-            fixed_bytes=self.model.fixed_bytes,
-            per_sample_bytes=self.model.per_sample_bytes,
-        )
 
     # ---- checkpointing ------------------------------------------------------------------------------------------
 
@@ -481,39 +446,146 @@ class MicroBatchPlanner:
             "version": _STATE_VERSION,
             "limit": self._limit,
             "step_batch_size": self._step_batch_size,
-            "under": self._under,
-            "retry_streak": self._retry_streak,
-            "failed": [[size, until] for size, until in sorted(self._failed.items())],
-            "last_peak": self._last_peak,
-            "last_size": self._last_size,
-            "shrink_start": None if self._shrink_start is None else list(self._shrink_start),
+            **self._history.state_dict(),
             "model": self.model.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict`; missing keys keep their defaults so older checkpoints still load."""
-        limit = state.get("limit")
-        self._limit = None if limit is None else int(limit)
-        step_batch_size = state.get("step_batch_size")
-        self._step_batch_size = None if step_batch_size is None else int(step_batch_size)
-        self._under = int(state.get("under", 0))
-        self._retry_streak = int(state.get("retry_streak", 0))
-        self._failed = {int(size): int(until) for size, until in state.get("failed", [])}
-        last_peak = state.get("last_peak")
-        self._last_peak = None if last_peak is None else float(last_peak)
-        last_size = state.get("last_size")
-        self._last_size = None if last_size is None else int(last_size)
-        shrink_start = state.get("shrink_start")  # absent before issue 19: no shrink under way
-        self._shrink_start = None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1]))
+        self._limit = _optional(int, state.get("limit"))
+        self._step_batch_size = _optional(int, state.get("step_batch_size"))
+        self._history = _History.from_state_dict(state)
         self.model = LinearPeakModel()
         if "model" in state:
             self.model.load_state_dict(state["model"])
 
     def __repr__(self) -> str:
         return (
-            f"MicroBatchPlanner(micro_batch_size={self.micro_batch_size_setting!r}, size={self.micro_batch_size},"
-            f" predictive={self.predictive}, budget_bytes={self.budget_bytes})"
+            f"MicroBatchPlanner(micro_batch_size={self.settings.micro_batch_size!r}, size={self.micro_batch_size},"
+            f" predictive={self.settings.predictive}, budget_bytes={self.budget_bytes})"
         )
+
+
+def _settings_from(
+    settings: PlannerSettings | int | Literal["auto"] | None, keywords: dict[str, Any]
+) -> PlannerSettings:
+    """The planner's settings from what its constructor was given: a `PlannerSettings`, or the settings one by one."""
+    if not isinstance(settings, PlannerSettings):
+        return PlannerSettings(**keywords) if settings is None else PlannerSettings(settings, **keywords)
+    if keywords:
+        raise TypeError(
+            f"`MicroBatchPlanner` takes a `PlannerSettings` or the settings as keywords, got both (also"
+            f" {', '.join(f'`{name}`' for name in sorted(keywords))}). Pass `dataclasses.replace(settings, ...)`"
+            " to change some of them."
+        )
+    return settings
+
+
+def _balanced(limit: int, step_batch_size: int | None, min_size: int) -> int:
+    """The size used under ``limit``: as many micro-batches as ``limit`` needs, evened out (module docstring)."""
+    if step_batch_size is None:
+        return limit
+    cap = max(1, min(limit, step_batch_size))
+    k = math.ceil(step_batch_size / cap)
+    balanced = math.ceil(step_batch_size / k)  # <= cap because cap >= step_batch_size / k
+    return balanced if balanced >= min(min_size, cap) else cap
+
+
+def _fit_below(model: LinearPeakModel, budget: float, size: int) -> int:
+    """The largest size under ``size`` that the fitted ``model`` predicts to fit ``budget``, else half of ``size``.
+
+    No size predicted to fit means the fixed part alone passes the budget. Jumping to the minimum would then cost most
+    of the throughput for little memory (and on CPU the "fixed" part is often resident memory that freed tensors left
+    behind): halve, as without a model. If the halving does not lower the measured peak enough, `_out_of_reach`
+    stops the shrinking there.
+    """
+    fit = model.largest_fitting(budget, size - 1)
+    return size // 2 if fit is None else fit
+
+
+def _after_oom(size: int, budget: float, model: LinearPeakModel) -> tuple[int, str]:
+    """The size to retry with after an OOM at ``size``, and why, as the fitted ``model`` sees it."""
+    predicted = model.predict(size)
+    if predicted > budget:
+        return _fit_below(
+            model, budget, size
+        ), f"OOM at {size}: largest predicted to fit the budget {format_size(budget)}"
+    # The model said `size` fits: halve. The model stays: if the run changed (longer sequences), the next measured
+    # peak disagrees with it and starts a new one (`MicroBatchPlanner._observe`); if the OOM was fragmentation or a
+    # passing spike, it still knows which sizes fit, and the failed size waits out its cool-down. (A model thrown
+    # away here left one measured size, and with large fixed memory the micro-batch never grew back.)
+    return size // 2, "OOM at {}, predicted {} <= budget {}: halved".format(size, *format_sizes(predicted, budget))
+
+
+def _out_of_reach(
+    size: int, peak: float, budget: float, settings: PlannerSettings, shrink_start: tuple[int, float] | None
+) -> str | None:
+    """Why shrinking cannot meet the budget: at the smallest size, or after shrinks that hardly lowered the peak.
+
+    ``shrink_start`` is the (size, peak) where the current run of over-budget shrinks began.
+    """
+    fix = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
+    smallest_size = settings.min_micro_batch_size
+    if size <= smallest_size:
+        peak_text, budget_text = format_sizes(peak, budget)
+        return (
+            f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
+            f" micro-batch size ({size}): most of the memory does not depend on the micro-batch, so shrinking"
+            " cannot meet the budget." + fix
+        )
+    if settings.pin_micro_batch_size or shrink_start is None:
+        return None
+    start, start_peak = shrink_start
+    if start < 2 * size:
+        return None  # a shrink to half or less tells what the micro-batch costs; a smaller one is noise-prone
+    per_sample = max(0.0, (start_peak - peak) / (start - size))
+    smallest = peak - per_sample * (size - smallest_size)
+    if smallest <= budget:
+        return None
+    texts = format_sizes(peak, budget, start_peak, smallest)
+    return (
+        f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}), and shrinking the micro-batch does"
+        f" not bring it down: from {start} to {size} samples the peak went from {texts[2]} to {texts[0]}. At"
+        f" that rate even the smallest micro-batch size ({smallest_size}) would peak at {texts[3]}:"
+        " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
+        f" micro-batch size {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
+    )
+
+
+def _out_of_memory(
+    size: int,
+    step: int,
+    min_size: int,
+    budget: float | None,
+    last: tuple[float | None, int | None],
+    model: LinearPeakModel,
+) -> MicroBatchOOMError:
+    """The error for an OOM at ``min_size``, with every figure the planner has; ``last`` is the last (peak, size)."""
+    last_peak, last_size = last
+    figures = [f"budget {format_size(budget)}" if budget is not None else "no budget set"]
+    if last_peak is not None:
+        figures.append(f"last measured peak {format_size(last_peak)} at size {last_size}")
+    if model.fitted():
+        figures.append(
+            f"memory model: {format_size(model.fixed_bytes or 0.0)} fixed"
+            f" + {format_size(model.per_sample_bytes or 0.0)} per sample"
+        )
+    return MicroBatchOOMError(
+        f"Out of memory at micro-batch size {size} at step {step}, and `min_micro_batch_size` is"
+        f" {min_size}, so the planner cannot shrink further ({'; '.join(figures)}). Lower the"
+        " memory per sample (mixed precision, activation checkpointing), the fixed memory (a sharded strategy, a"
+        " smaller optimizer state), or `min_micro_batch_size`.",
+        micro_batch_size=size,
+        step=step,
+        budget_bytes=budget,
+        last_peak_bytes=last_peak,
+        fixed_bytes=model.fixed_bytes,
+        per_sample_bytes=model.per_sample_bytes,
+    )
+
+
+def _optional(convert: Callable[[Any], _T], value: Any) -> _T | None:
+    return None if value is None else convert(value)
 
 
 @dataclass

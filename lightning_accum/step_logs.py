@@ -13,6 +13,12 @@ every ``self.log`` call made during a split step is captured, and when the step 
 
 The combined value is logged with ``batch_size`` = samples in the step, so epoch aggregates weight steps by samples.
 Calls made during an attempt that ran out of memory are dropped with the attempt: nothing is counted twice.
+
+Nothing of an earlier micro-batch stays alive until the step ends. A value is detached as it is logged, as Lightning
+detaches what ``self.log`` receives (unless ``enable_graph=True``), so ``self.log("train/loss", loss)`` keeps no
+graph; and each name's values are written into one growing buffer as they come, so a step of 1024 micro-batches
+keeps one tensor per name, not 1024 small tensors (which, even detached, fragment the CPU heap: a step of 1024
+micro-batches grew the resident set by up to 1.3 GiB).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class StepLogCombiner:
 
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
-        self._records: dict[str, list[tuple[Any, Any, dict[str, Any]]]] = {}
+        self._records: dict[str, _Running] = {}
 
     def clear(self) -> None:
         """Forget everything captured (an attempt that failed)."""
@@ -67,7 +73,12 @@ class StepLogCombiner:
             arguments = dict(bound.arguments)
             arguments.pop("self")
             name, value = arguments.pop("name"), arguments.pop("value")
-            self._records.setdefault(name, []).append((value, weight, arguments))
+            if isinstance(value, Tensor) and not arguments.get("enable_graph", False):
+                value = value.detach()
+            running = self._records.get(name)
+            if running is None:
+                running = self._records[name] = _Running(_reduction(arguments.get("reduce_fx", "mean")))
+            running.add(value, weight, arguments)
 
         module.log = record  # type: ignore[method-assign]
         try:
@@ -81,25 +92,68 @@ class StepLogCombiner:
     def replay(self, batch_size: int) -> None:
         """Log each captured name once, combined over the micro-batches, then forget them."""
         records, self._records = self._records, {}
-        for name, entries in records.items():
-            options = dict(entries[-1][2])
-            value = _combine(entries, options.get("reduce_fx", "mean"))
+        for name, running in records.items():
+            options = dict(running.options)
             if options.get("batch_size") is None:
                 options["batch_size"] = batch_size
-            self.module.log(name, value, **options)
+            self.module.log(name, running.result(), **options)
 
 
-def _combine(entries: list[tuple[Any, Any, dict[str, Any]]], reduce_fx: Any) -> Any:
-    values = [value for value, _, _ in entries]
-    reduction = (
-        _REDUCTIONS.get(reduce_fx)
-        if isinstance(reduce_fx, str)
-        else _REDUCTIONS.get(getattr(reduce_fx, "__name__", ""))
-    )
-    if len(values) == 1 or reduction is None or not all(isinstance(v, (Tensor, int, float)) for v in values):
-        return values[-1]
-    stacked = torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(()) for v in values])
-    weights = torch.stack([torch.as_tensor(w).to(stacked.device, torch.float64).reshape(()) for _, w, _ in entries])
+def _reduction(reduce_fx: Any) -> str | None:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a reduction the combiner knows, else ``None``."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+    return _REDUCTIONS.get(name)
+
+
+class _Running:
+    """One name's values over the micro-batches so far, written into one growing float64 buffer as they come.
+
+    The buffer doubles when full, so a step keeps one tensor per name whatever its number of micro-batches, and
+    writing a value is one copy on its device (no host read). The weights are the micro-batches' item counts, which
+    the step holds anyway. The last value and options are kept for what cannot be reduced (a torchmetrics ``Metric``,
+    a custom reduction) and for a step of one micro-batch, which logs its value as it is.
+    """
+
+    def __init__(self, reduction: str | None) -> None:
+        self.reduction = reduction
+        self.count = 0
+        self.last: Any = None
+        self.options: dict[str, Any] = {}
+        self._values: Tensor | None = None
+        self._weights: list[float | Tensor] = []
+
+    def add(self, value: Any, weight: float | Tensor, options: dict[str, Any]) -> None:
+        self.count += 1
+        self.last, self.options = value, options
+        if self.reduction is None:
+            return
+        if (
+            not isinstance(value, (Tensor, int, float))
+            or _reduction(options.get("reduce_fx", "mean")) != self.reduction
+        ):
+            self.reduction = None  # from now on, the last value, as for a reduction the combiner doesn't know
+            self._values, self._weights = None, []
+            return
+        values = self._values
+        if values is None:
+            device = value.device if isinstance(value, Tensor) else None
+            values = self._values = torch.empty(16, dtype=torch.float64, device=device)
+        elif self.count > len(values):
+            grown = torch.empty(2 * len(values), dtype=torch.float64, device=values.device)
+            grown[: len(values)] = values
+            values = self._values = grown
+        values[self.count - 1] = value.detach().reshape(()) if isinstance(value, Tensor) else float(value)
+        self._weights.append(weight)
+
+    def result(self) -> Any:
+        """The combined value: float32 for a reduction over several micro-batches, else the last value as logged."""
+        if self.count == 1 or self.reduction is None or self._values is None:
+            return self.last
+        return _combine(self._values[: self.count], self._weights, self.reduction)
+
+
+def _combine(stacked: Tensor, weight_list: list[float | Tensor], reduction: str) -> Tensor:
+    weights = torch.stack([torch.as_tensor(w).to(stacked.device, torch.float64).reshape(()) for w in weight_list])
     # A micro-batch without items contributes nothing: its mean over no items is 0/0 = NaN, and 0 * NaN is NaN too.
     contributes = (weights > 0) | ~stacked.isnan()
     if reduction in ("sum", "max", "min"):

@@ -213,6 +213,7 @@ def test_a_non_finite_window_is_skipped_and_counted_not_averaged_in(tmp_path):
         model = SkipsNonFiniteSteps(nan_batch)
         trainer.fit(model, DataLoader(IndexedDataset(256), batch_size=4))
         logged = trainer.callback_metrics[keys.GRAD_SQ_NORM].item()  # what the monitor logs
+        assert trainer.callback_metrics[keys.NOISE_SCALE_SKIPPED].item() == (0 if nan_batch is None else 1)
         runs[nan_batch] = (model, schedule, logged)
     (_, clean, _), (model, skipping, logged) = runs[None], runs[9]
     estimate = skipping.estimator.value()

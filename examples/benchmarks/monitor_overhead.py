@@ -6,7 +6,9 @@ Prints, for a tiny model (the worst case: the fixed per-step cost against a step
 an MLP whose micro-batch takes tens of milliseconds, the median samples/s of plain Lightning
 (`accumulate_grad_batches=4`), of `AccumulationScheduler(4)` alone, with `AccumulationMonitor()` at its default
 interval (`Trainer(log_every_n_steps)`) and with the monitor logging every step, and each variant's ratio to plain
-Lightning (1.0: no overhead), as the median of the ratios of interleaved runs.
+Lightning (1.0: no overhead), as the median of the ratios of interleaved runs. Each variant also reports the share
+of its wall time spent inside lightning_accum's hooks, and of that the monitor's own: read inside each run, so free
+of the run-to-run noise of a shared machine.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Clock(pl.Callback):
         self.samples = 0
         self.seconds = 0.0
         self.hook_seconds = 0.0  # wall time inside the timed callbacks' hooks (see `_time_hooks`)
+        self.monitor_seconds = 0.0  # the part of it inside AccumulationMonitor's
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
@@ -89,8 +92,12 @@ def _time_hooks(callback: pl.Callback, clock: _Clock) -> None:
         n for n in dir(pl.Callback) if n.startswith("on_") and getattr(type(callback), n) is not getattr(pl.Callback, n)
     ]
 
+    is_monitor = isinstance(callback, AccumulationMonitor)
+
     def add(seconds: float) -> None:
         clock.hook_seconds += seconds
+        if is_monitor:
+            clock.monitor_seconds += seconds
 
     time_methods(callback, hooks, add)
 
@@ -102,8 +109,8 @@ QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": 
 
 def _samples_per_sec(
     variant: str, dim: int, hidden: int, n: int, batch_size: int, k: int, root: str
-) -> tuple[float, float]:
-    """Samples per second, and the share of the run's wall time spent inside lightning_accum's callback hooks."""
+) -> tuple[float, float, float]:
+    """Samples per second, and the shares of the run's wall time inside lightning_accum's hooks and the monitor's."""
     clock = _Clock()
     callbacks: list[pl.Callback] = [clock]
     if variant != "plain Lightning":
@@ -128,7 +135,7 @@ def _samples_per_sec(
         **QUIET,
     )
     trainer.fit(_Model(dim, hidden), DataLoader(data, batch_size=batch_size))
-    return clock.samples / clock.seconds, clock.hook_seconds / clock.seconds
+    return clock.samples / clock.seconds, clock.hook_seconds / clock.seconds, clock.monitor_seconds / clock.seconds
 
 
 def main() -> None:
@@ -149,23 +156,28 @@ def main() -> None:
             continue
         runs: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         shares: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        monitor_shares: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         for repeat in range(args.repeats):
             # Interleaved, so drift in machine load hits every variant alike, and rotated, so no variant always
             # runs first (warm caches and clocks favoured whichever ran first).
             shift = repeat % len(VARIANTS)
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                rate, share = _samples_per_sec(variant, root=args.root, **case)
+                rate, share, monitor_share = _samples_per_sec(variant, root=args.root, **case)
                 runs[variant].append(rate)
                 shares[variant].append(share)
+                monitor_shares[variant].append(monitor_share)
         base = statistics.median(runs["plain Lightning"])
         print(f"{name}: plain Lightning {base:,.0f} samples/s (median of {args.repeats})")
         for variant in VARIANTS[1:]:
             paired = [m / b for m, b in zip(runs[variant], runs["plain Lightning"], strict=True)]
             share = statistics.median(shares[variant])
+            monitor = (
+                f", the monitor's {statistics.median(monitor_shares[variant]):.2%}" if "monitor" in variant else ""
+            )
             print(
                 f"    {variant}: {statistics.median(runs[variant]):,.0f} samples/s, ratio to plain"
                 f" {statistics.median(paired):.3f} (median of paired ratios {[round(r, 3) for r in paired]});"
-                f" inside lightning_accum's hooks {share:.2%} of the wall time (median), a ratio of about"
+                f" inside lightning_accum's hooks {share:.2%} of the wall time (median){monitor}, a ratio of about"
                 f" {1 - share:.3f} if nothing else differed"
             )
 

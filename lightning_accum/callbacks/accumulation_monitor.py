@@ -7,10 +7,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -22,12 +22,16 @@ from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_fraction
 from lightning_accum.monitoring import (
+    LOGGED_KEYS,
     FitSummary,
     IntervalTotals,
     LightningWindows,
     StepFigures,
     WeightedMean,
     event_metrics,
+    every_step_keys,
+    mean_loss,
+    step_metrics,
     to_gib,
 )
 from lightning_accum.noise_scale import NoiseScaleEstimator
@@ -44,7 +48,12 @@ class AccumulationMonitor(Callback):
     Metrics go to every logger in ``trainer.loggers`` on rank zero, on Lightning's own step axis: the step that
     ``self.log``, ``LearningRateMonitor`` and ``ThroughputMonitor`` use for the same optimizer step (the first step
     is 0). They also reach ``trainer.callback_metrics``, so
-    ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them. With a ``WandbLogger``,
+    ``ModelCheckpoint(monitor="accum/window_loss")`` and ``EarlyStopping`` can watch them: at a logging step, what the
+    loggers got; at every other optimizer step, what needs no collective and no host read (the step's batch figures,
+    and on one process the window loss since the previous logging step; see
+    `lightning_accum.monitoring.every_step_keys`). Memory and throughput are figures of a logging interval and change
+    at logging steps only; a ``ModelCheckpoint`` that reads one of them (or, under DDP, the window loss) between
+    logging steps is warned about when training starts. With a ``WandbLogger``,
     the keys are also defined against ``trainer/global_step`` (memory peaks summarised by their maximum) and the
     accumulation settings are put into the run config under ``lightning_accum``.
 
@@ -77,12 +86,14 @@ class AccumulationMonitor(Callback):
         ``memory/alloc_retries``            count        every logging step, CUDA/XPU only, cumulative
         ``memory/rank{r}/peak_gib``         GiB          with ``per_rank_memory=True``: each rank's peak
         ``accum/gradient_noise_scale``      items        with ``gradient_noise_scale=True`` (also
-                                                         ``accum/grad_sq_norm``, ``accum/grad_trace_cov``)
+                                                         ``accum/grad_sq_norm``, ``accum/grad_trace_cov``,
+                                                         ``accum/noise_scale_skipped``)
         ``events/*``                        size after   at the logging step that follows the event
         ==================================  ===========  ==================================================
 
     With ``gradient_noise_scale=True`` it also logs ``accum/gradient_noise_scale`` (``B_simple = tr(Σ)/|G|²`` in
-    items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``) and ``accum/grad_trace_cov`` (``tr(Σ)``):
+    items, McCandlish et al. 2018), ``accum/grad_sq_norm`` (``|G|²``), ``accum/grad_trace_cov`` (``tr(Σ)``) and
+    ``accum/noise_scale_skipped`` (windows whose estimate was NaN or inf and left out of the average, cumulative):
     unbiased estimates from each window's first micro-batch and whole window, smoothed by a bias-corrected moving
     average over windows (``noise_scale_beta``). It needs windows of at least two micro-batches. Where the schedule
     follows the noise scale (`lightning_accum.schedules.AdaptiveBatchSize`), the schedule's own average is logged
@@ -94,11 +105,13 @@ class AccumulationMonitor(Callback):
             loss cover the whole interval; batch figures describe its last step.
         gradient_noise_scale: also estimate and log the gradient noise scale (needs an accumulation owner).
         noise_scale_beta: the moving average's decay per window, in ``[0, 1)``.
-        noise_scale_interval: measure every this many windows (the first, then every n-th). Each measurement then
+        noise_scale_interval: measure the windows whose optimizer step (from 0) is a multiple of this, so that a
+            resumed run measures the windows an uninterrupted one does. Each measurement then
             weighs as much as the ``n`` windows it stands for, so the average covers the same span of training; the
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
         progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
-            (``mem``; of the capacity without a budget, updated at logging steps) in Lightning's progress bar.
+            (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
+            Lightning's progress bar.
         key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
         per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
         summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
@@ -144,7 +157,6 @@ class AccumulationMonitor(Callback):
         self.noise_scale_interval = check_int(
             noise_scale_interval, "noise_scale_interval", 1, hint="It measures every that many windows; 1 is every."
         )
-        self._windows_since_noise = 0
         self.progress_bar = check_bool(progress_bar, "progress_bar")
         self.summary = check_bool(summary, "summary")
         if not isinstance(key_prefix, str):
@@ -170,6 +182,8 @@ class AccumulationMonitor(Callback):
         self._excluded_seconds = 0.0
         self._validation_start: float | None = None
         self._noise_in_use: NoiseScaleEstimator | None = None  # a schedule's average that decides k, if any
+        self._every_step: tuple[str, ...] = ()  # the keys put into `callback_metrics` between logging steps too
+        self._step_values: tuple[Any, ...] = ()  # the batch figures last put there
 
     # ----------------------------------------------------------------------------------------------------------
     # setup
@@ -195,9 +209,13 @@ class AccumulationMonitor(Callback):
                     " Trainer's callbacks (e.g. `AccumulationScheduler()` adopts `accumulate_grad_batches`)."
                 )
             self._owner.measure_noise_scale(every=self.noise_scale_interval)
-            self._windows_since_noise = 0
             # Where a schedule follows the noise scale, its own average is the one worth seeing: it decides k.
             self._noise_in_use = self._owner.noise_scale_in_use()
+        self._every_step = every_step_keys(
+            has_owner=self._owner is not None, world_size=trainer.world_size, noise_scale=self.gradient_noise_scale
+        )
+        self._warn_late_readers(trainer)
+        self._step_values = ()  # the Trainer has just emptied `callback_metrics`
         self._interval.reset()
         self._windows = LightningWindows()
         self._last_report = self._owner.last_step_report if self._owner is not None else None
@@ -220,6 +238,11 @@ class AccumulationMonitor(Callback):
         if not self.summary:
             return
         self._fit_summary.seconds = time.perf_counter() - self._fit_start - self._validation_seconds
+        if self._interval.steps > 0:  # steps after the last logging step (the whole fit, if it was shorter)
+            # Every rank gets here with the same count (ranks step together): the maximum over ranks is safe.
+            peak, _, capacity = self._memory(trainer, self._interval.peak_bytes)
+            last = self._interval.last
+            self._summarize_peak(peak, None if last is None else last.budget_bytes, capacity)
         if self._owner is None and trainer.world_size > 1:  # counted from this rank's batches: every rank calls this
             self._fit_summary.sum_over_ranks(sum_across_ranks_fn(trainer))
         rank_zero_info(self._fit_summary.text())
@@ -285,15 +308,75 @@ class AccumulationMonitor(Callback):
             # As text: Rich's bar formats every number with 3 decimals ("mb: 4.000").
             bar = {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
             _compat.set_progress_bar_metrics(trainer, bar)
-        self._windows_since_noise += 1
-        if report.noise is not None and self._noise_in_use is None:
-            # A measurement stands for the windows since the last one (an interval, or windows too short to measure).
-            self.noise_scale.add_estimates(*report.noise, windows=self._windows_since_noise)
-            self._windows_since_noise = 0
+        if report.noise is not None and self._noise_in_use is None and self._owner is not None:
+            # A measurement stands for the windows since the last one (an interval, or windows too short to measure),
+            # counted by the owner from the optimizer steps, so a resumed run weighs them as an uninterrupted one.
+            self.noise_scale.add_estimates(*report.noise, windows=max(1, self._owner.noise_windows))
         step = _compat.logging_step(trainer)
-        interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        interval = self._logging_every(trainer)
         if interval > 0 and (step + 1) % interval == 0:
             self._log(trainer, step)
+        else:
+            self._publish_step(trainer)
+
+    def _logging_every(self, trainer: pl.Trainer) -> int:
+        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+
+    def _publish_step(self, trainer: pl.Trainer) -> None:
+        """Between logging steps, what a callback (``ModelCheckpoint``, ``EarlyStopping``) can read at this step.
+
+        The figures a logging step here would log, where they need no collective and no host read (see
+        `lightning_accum.monitoring.every_step_keys`): host numbers, and the window loss as a tensor on its device.
+        """
+        wanted, last = self._every_step, self._interval.last
+        if not wanted or last is None:
+            return
+        metrics: dict[str, float | Tensor] = {}
+        # `callback_metrics` keeps what is put there through training (the Trainer empties it before, at the start of
+        # a run and around the sanity check): batch figures go in again only when they change, which is rare.
+        figures = (last.effective_batch_size, last.micro_batch_size, last.accumulation_steps, last.items)
+        values = (*figures, last.oom_retries, *(self._noise_metrics().values() if self.gradient_noise_scale else ()))
+        if values != self._step_values:
+            self._step_values = values
+            batch = step_metrics(last) if keys.EFFECTIVE_BATCH_SIZE in wanted else {}
+            noise = self._noise_metrics() if self.gradient_noise_scale else {}
+            metrics.update({self.key_prefix + key: value for key, value in {**batch, **noise}.items()})
+        if keys.WINDOW_LOSS in wanted:
+            metrics[self.key_prefix + keys.WINDOW_LOSS] = mean_loss(self._interval.loss)
+        if metrics:
+            _compat.set_callback_metrics(trainer, metrics)
+
+    def _warn_late_readers(self, trainer: pl.Trainer) -> None:
+        """Warn about a ``ModelCheckpoint`` that reads a key between the logging steps, where it is not refreshed."""
+        interval = self._logging_every(trainer)
+        if interval == 1:
+            return
+        for callback in trainer.callbacks:
+            monitor = getattr(callback, "monitor", None)
+            if not isinstance(callback, ModelCheckpoint) or not isinstance(monitor, str):
+                continue
+            key = monitor.removeprefix(self.key_prefix) if monitor.startswith(self.key_prefix) else None
+            if key is None or key in self._every_step or not (key in LOGGED_KEYS or key.startswith("memory/rank")):
+                continue
+            every, by_time = _compat.checkpoint_step_schedule(callback)
+            if (every < 1 or (interval > 0 and every % interval == 0)) and not by_time:
+                continue
+            when = f"every_n_train_steps={every}" if every >= 1 else "train_time_interval=..."
+            logs = f"every {interval} optimizer steps" if interval > 0 else "never: `log_every_n_steps=0`"
+            fix = "=1)`" if every <= 1 else f"=...)` to a divisor of {every}"
+            rank_zero_warn(
+                f"`ModelCheckpoint(monitor={monitor!r}, {when})` reads its key more often than `AccumulationMonitor`"
+                f" logs it ({logs}): {self._why_not_every_step(key)}, so between logging steps the checkpoint sees"
+                f" the last logging step's value, or none before the first. Set `AccumulationMonitor(logging_interval"
+                f"{fix}, or `every_n_train_steps` to a multiple of {max(interval, 1)}."
+            )
+
+    def _why_not_every_step(self, key: str) -> str:
+        if key == keys.WINDOW_LOSS:
+            return f"under DDP, `{key}` is summed over the ranks at logging steps only (one small all-reduce each)"
+        if key in keys.BATCH_KEYS or key == keys.OOM_RETRIES:
+            return f"without an accumulation owner under DDP, `{key}` is summed over the ranks at logging steps only"
+        return f"`{key}` is a figure of a logging interval"
 
     def _step_report(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> StepReport | None:
         """The report of the optimizer step that just ended, or ``None`` inside a window."""
@@ -369,13 +452,20 @@ class AccumulationMonitor(Callback):
 
     def _show_memory(self, trainer: pl.Trainer, peak: int, budget: float | None, capacity: int) -> None:
         """The peak as a fraction of the budget (of the capacity without one): in the summary and the progress bar."""
+        fraction = self._summarize_peak(peak, budget, capacity)
+        if self.progress_bar and fraction is not None:
+            # The label says what it is a fraction of; as text, so that Rich and tqdm both draw two decimals.
+            label = "mem/budget" if budget is not None else "mem/capacity"
+            _compat.set_progress_bar_metrics(trainer, {label: f"{fraction:.2f}"})
+
+    def _summarize_peak(self, peak: int, budget: float | None, capacity: int) -> float | None:
+        """Count ``peak`` into the end-of-fit summary; returns it as a fraction of the budget (or capacity)."""
         limit = budget if budget is not None else capacity
         if limit <= 0:
-            return
+            return None
         fraction = peak / limit
         self._fit_summary.add_peak(fraction, "budget" if budget is not None else "capacity")
-        if self.progress_bar:
-            _compat.set_progress_bar_metrics(trainer, {"mem": round(fraction, 2)})
+        return fraction
 
     def _noise_metrics(self) -> dict[str, float]:
         estimate = (self._noise_in_use or self.noise_scale).value()
@@ -385,6 +475,7 @@ class AccumulationMonitor(Callback):
             keys.GRADIENT_NOISE_SCALE: estimate.gradient_noise_scale,
             keys.GRAD_SQ_NORM: estimate.grad_sq_norm,
             keys.GRAD_TRACE_COV: estimate.trace_cov,
+            keys.NOISE_SCALE_SKIPPED: estimate.skipped,
         }
 
     @override

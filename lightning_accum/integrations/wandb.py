@@ -144,6 +144,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
                 mark_events=True,
             ),
             PanelSpec("|G|² and tr(Σ)", (keys.GRAD_SQ_NORM, keys.GRAD_TRACE_COV), "squared gradient norm"),
+            PanelSpec("Non-finite windows skipped", (keys.NOISE_SCALE_SKIPPED,), "windows", _FROM_ZERO),
         ),
     ),
     SectionSpec(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -488,27 +490,32 @@ def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
 # what a user sees while it runs and at the end (issue 14, items 1 and 2)
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bar", ["tqdm", "rich"])
-def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar):
+@pytest.mark.parametrize("budget", [True, False])
+def test_the_progress_bar_shows_the_micro_batch_k_and_memory(tmp_path, bar, budget):
+    # Issue 19, item 8: the label says what the memory figure is a fraction of (`mem=0.98` did not).
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from lightning_accum import AutoMicroBatching
 
     progress = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
     model = RegressionModel()
-    model.split_mode = True
-    owner = AutoMicroBatching(4, max_memory=0.5)
+    model.split_mode = budget
+    owner = AutoMicroBatching(4, max_memory=0.5) if budget else AccumulationScheduler(4)
+    label = "mem/budget" if budget else "mem/capacity"
     trainer = make_trainer(tmp_path, [owner, AccumulationMonitor(), progress], enable_progress_bar=True)
-    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16))
+    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16 if budget else 4))
     shown = progress.get_metrics(trainer, model)  # what the bar draws next to the loss
     assert shown["mb"] == "4" and shown["k"] == "4"  # text: Rich would draw a number as "4.000"
-    assert 0 < shown["mem"] < 1  # the peak as a fraction of the budget (half the machine's memory)
+    assert "mem" not in shown
+    # The peak as a fraction of the budget (half the machine's memory), or of the capacity without one.
+    assert 0 < float(shown[label]) < 1 and shown[label] == f"{float(shown[label]):.2f}"
     # ...and the line each bar drew last (Lightning internals: the tqdm postfix, Rich's metrics column).
     if bar == "tqdm":
         drawn = progress.train_progress_bar.postfix
-        assert drawn.startswith("mb=4, k=4, mem=0.") and drawn.endswith(f"{shown['mem']:.3f}"), drawn
+        assert drawn.startswith("mb=4, k=4, ") and drawn.endswith(f"{label}={shown[label]}"), drawn
     else:
         drawn = " ".join(progress._metric_component._generate_metrics_texts())
-        assert drawn.startswith("mb: 4 k: 4 mem: 0."), drawn
+        assert drawn.startswith("mb: 4 k: 4 ") and drawn.endswith(f"{label}: {shown[label]}"), drawn
 
 
 def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
@@ -522,7 +529,7 @@ def test_the_progress_bar_fields_can_be_turned_off(tmp_path):
         enable_progress_bar=True,
     )
     trainer.fit(model, DataLoader(IndexedDataset(16), batch_size=4))
-    assert not {"mb", "k", "mem"} & progress.get_metrics(trainer, model).keys()
+    assert not {"mb", "k", "mem/budget", "mem/capacity"} & progress.get_metrics(trainer, model).keys()
 
 
 def test_the_end_of_fit_summary_is_printed_and_logged(tmp_path, caplog):
@@ -579,3 +586,285 @@ def test_monitor_options_prefix_training_time_and_per_rank_memory(tmp_path):
 def test_a_bad_key_prefix_is_refused():
     with pytest.raises(TypeError, match=r"`key_prefix` must be a str"):
         AccumulationMonitor(key_prefix=3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the summary's peak is the peak of the whole fit (issue 19, item 6)
+# ----------------------------------------------------------------------------------------------------------------
+def summary_line(caplog: pytest.LogCaptureFixture) -> str:
+    return next(
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("lightning_accum: ") and "optimizer steps" in r.getMessage()
+    )
+
+
+def test_a_run_shorter_than_the_logging_interval_still_gives_its_peak(tmp_path, caplog):
+    # 4 steps at the default interval of 50: no logging step at all.
+    import logging
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    with caplog.at_level(logging.INFO):
+        fit(
+            tmp_path,
+            [AccumulationScheduler(2), AccumulationMonitor()],
+            csv_logger,
+            n=32,
+            max_epochs=1,
+            log_every_n_steps=50,
+        )
+    assert "peak memory" in summary_line(caplog) and "of the capacity" in summary_line(caplog)
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert 0 < logged["peak_fraction_of_capacity"] < 1
+
+
+def test_the_summary_peak_covers_the_steps_after_the_last_logging_step(tmp_path):
+    # 6 steps, logged every 4th: the block held in step 5 comes after the last logging step (step 3).
+    spike = 512 * 1024**2
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    monitor = AccumulationMonitor(logging_interval=4)
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor], logger=csv_logger)
+    trainer.fit(AllocatesAtStep(step=5, n_bytes=spike), DataLoader(IndexedDataset(48), batch_size=4))
+    assert trainer.global_step == 6
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [3]
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    summary_peak_gib = logged["peak_fraction_of_capacity"] * rows[3][keys.CAPACITY_GIB]
+    assert summary_peak_gib - rows[3][keys.PEAK_GIB] > 0.8 * spike / GIB
+
+
+def test_interval_totals_has_no_stray_add_peak():
+    # Issue 20, item 8: a copy of `FitSummary.add_peak` that nothing called, and that raised AttributeError.
+    from lightning_accum.monitoring import FitSummary, IntervalTotals
+
+    assert not hasattr(IntervalTotals(), "add_peak")
+    summary = FitSummary()
+    summary.add_peak(0.5, "budget")
+    summary.add_peak(0.25, "budget")
+    assert (summary.peak_fraction, summary.memory_limit) == (0.5, "budget")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# between logging steps: what ModelCheckpoint and EarlyStopping can read at every step (issue 18, item 7)
+# ----------------------------------------------------------------------------------------------------------------
+class RecordsStepMetrics(pl.Callback):
+    """Put after the monitor: what `trainer.callback_metrics` holds at the end of each optimizer step."""
+
+    def __init__(self) -> None:
+        self.by_step: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > len(self.by_step):
+            self.by_step.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+
+class RecordsMicroBatchLosses(RegressionModel):
+    """Records each micro-batch's loss, its samples and the optimizer step it belongs to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[tuple[float, int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append((float(loss), len(batch["x"]), self.global_step))
+        return loss
+
+
+def interval_mean(losses: list[tuple[float, int, int]], first: int, last: int) -> float:
+    """The item-weighted mean loss of the optimizer steps ``first`` to ``last``."""
+    seen = [(loss, n) for loss, n, step in losses if first <= step <= last]
+    return sum(loss * n for loss, n in seen) / sum(n for _, n in seen)
+
+
+def test_model_checkpoint_every_step_sees_the_window_loss_between_logging_steps(tmp_path):
+    # The issue's case: 10 steps at the default interval (Trainer(log_every_n_steps=50)) saved nothing, because the
+    # monitor's keys reached `trainer.callback_metrics` only at its logging steps.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor=keys.WINDOW_LOSS, mode="min", every_n_train_steps=1, save_top_k=-1
+    )
+    model = RecordsMicroBatchLosses()
+    trainer = make_trainer(
+        tmp_path,
+        [AccumulationScheduler(2), AccumulationMonitor(), checkpoint],
+        enable_checkpointing=True,
+        log_every_n_steps=50,
+    )
+    trainer.fit(model, DataLoader(IndexedDataset(80), batch_size=4))
+    assert trainer.global_step == 10
+    assert len(checkpoint.best_k_models) == 10
+    # No logging step yet: at each step the window loss covers every step so far.
+    scores = sorted(float(score) for score in checkpoint.best_k_models.values())
+    assert scores == pytest.approx(sorted(interval_mean(model.losses, 0, s) for s in range(10)), rel=1e-6)
+
+
+@pytest.mark.parametrize("owner", ["scheduler", "plain"])
+def test_between_logging_steps_callbacks_see_the_step_figures_and_the_window_loss_so_far(tmp_path, owner):
+    # 19 micro-batches at k=2: 9 windows of 2 and a tail of 1; logged at steps 3 and 7.
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    model = RecordsMicroBatchLosses()
+    seen = RecordsStepMetrics()
+    callbacks, kwargs = monitor_with_owner(owner, 2)
+    callbacks[-1] = AccumulationMonitor(logging_interval=4)
+    trainer = make_trainer(tmp_path, [*callbacks, seen], logger=csv_logger, **kwargs)
+    trainer.fit(model, DataLoader(IndexedDataset(76), batch_size=4))
+    assert trainer.global_step == len(seen.by_step) == 10
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [3, 7]
+    for step, metrics in enumerate(seen.by_step):
+        k = 2 if step < 9 else 1
+        assert metrics[keys.ACCUMULATION_STEPS] == k and metrics[keys.EFFECTIVE_BATCH_SIZE] == 4 * k
+        assert metrics[keys.ITEMS_PER_STEP] == 4 * k and metrics[keys.MICRO_BATCH_SIZE] == 4
+        assert metrics[keys.OOM_RETRIES] == 0
+        # The window loss since the previous logging step: what the monitor would log if this step were one.
+        first = 0 if step <= 3 else 4 if step <= 7 else 8
+        assert metrics[keys.WINDOW_LOSS] == pytest.approx(interval_mean(model.losses, first, step), rel=1e-6)
+        if step in rows:  # at a logging step, what the loggers got
+            assert metrics[keys.WINDOW_LOSS] == pytest.approx(rows[step][keys.WINDOW_LOSS], rel=1e-6)
+            assert EVERY_STEP_KEYS <= metrics.keys()
+    # Memory and throughput are figures of a logging interval: none before the first logging step.
+    assert not {keys.PEAK_GIB, keys.SAMPLES_PER_SEC} & seen.by_step[2].keys()
+
+
+def test_a_checkpoint_that_reads_an_interval_figure_between_logging_steps_is_warned_about(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(monitor: str, every_n_train_steps: int) -> list[str]:
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", monitor=monitor, every_n_train_steps=every_n_train_steps, save_top_k=1
+        )
+        trainer = make_trainer(
+            tmp_path,
+            [AccumulationScheduler(2), AccumulationMonitor(key_prefix="run2/"), checkpoint],
+            enable_checkpointing=True,
+            log_every_n_steps=4,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(RegressionModel(), DataLoader(IndexedDataset(32), batch_size=4))
+        return [str(w.message) for w in caught if "AccumulationMonitor" in str(w.message)]
+
+    (message,) = run("run2/memory/peak_gib", 2)
+    assert re.search(
+        r"`ModelCheckpoint\(monitor='run2/memory/peak_gib', every_n_train_steps=2\)` reads.*more often than"
+        r" `AccumulationMonitor` logs it \(every 4 optimizer steps\).*figure of a logging interval.*"
+        r"`every_n_train_steps` to a multiple of 4",
+        message,
+    ), message
+    assert run("run2/memory/peak_gib", 8) == []  # it reads at logging steps only
+    assert run("run2/" + keys.WINDOW_LOSS, 1) == []  # available at every step on one process
+
+
+@pytest.mark.parametrize(
+    ("owner", "world_size", "expected"),
+    [
+        (True, 1, {*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS}),
+        (False, 1, {*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS}),
+        # Under DDP only what needs no collective: an owner's counts are global already; the window loss is each
+        # rank's own sum until a logging step adds them up, and plain Lightning counts this rank's batches.
+        (True, 2, {*keys.BATCH_KEYS, keys.OOM_RETRIES}),
+        (False, 2, set()),
+    ],
+)
+def test_which_keys_are_there_at_every_step(owner, world_size, expected):
+    from lightning_accum.monitoring import every_step_keys
+
+    assert set(every_step_keys(has_owner=owner, world_size=world_size, noise_scale=False)) == expected
+    with_noise = every_step_keys(has_owner=True, world_size=world_size, noise_scale=True)
+    assert set(keys.NOISE_SCALE_KEYS) <= set(with_noise)  # averaged over ranks when measured
+
+
+class CountsCollectives(AccumulationMonitor):
+    """The monitor, counting the collectives its own step hook makes, per optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.collectives: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch.distributed as dist
+
+        names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce")
+        originals = {name: getattr(dist, name) for name in names}
+        count = [0]
+
+        def counting(fn):
+            def call(*args, **kwargs):
+                count[0] += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        for name, fn in originals.items():
+            setattr(dist, name, counting(fn))
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        if trainer.global_step > len(self.collectives):
+            self.collectives.append(count[0])
+
+
+class WritesStepMetrics(RecordsStepMetrics):
+    """What each rank's `callback_metrics` held at each step, and its monitor's collectives, into a JSON file."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, CountsCollectives))
+        record = {"metrics": self.by_step, "collectives": monitor.collectives}
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_between_logging_steps_the_owners_figures_are_there_without_a_new_collective(tmp_path):
+    import json
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    callbacks = [AccumulationScheduler(2), CountsCollectives(logging_interval=3), WritesStepMetrics(tmp_path)]
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=2)
+    # 28 samples a rank in micro-batches of 2 at k=2: 7 steps, logged at steps 2 and 5; step 6 comes after the last.
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(56), batch_size=2))
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [2, 5]
+    for rank in ranks:
+        assert len(rank["metrics"]) == 7
+        for step, metrics in enumerate(rank["metrics"]):
+            assert metrics[keys.EFFECTIVE_BATCH_SIZE] == 2 * 2 * 2 and metrics[keys.ACCUMULATION_STEPS] == 2
+            assert metrics[keys.ITEMS_PER_STEP] == 8 and metrics[keys.MICRO_BATCH_SIZE] == 2
+            # The window loss needs a sum over ranks: refreshed at logging steps only (and warned about).
+            logged = max((s for s in rows if s <= step), default=None)
+            if logged is None:
+                assert keys.WINDOW_LOSS not in metrics
+            else:
+                assert metrics[keys.WINDOW_LOSS] == pytest.approx(rows[logged][keys.WINDOW_LOSS], rel=1e-6)
+        # No collective between logging steps; the logging steps' own (the same on both ranks).
+        assert [n for s, n in enumerate(rank["collectives"]) if s not in rows] == [0] * 5
+        assert all(n > 0 for s, n in enumerate(rank["collectives"]) if s in rows)
+    shared = (*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS)  # (a rank's own clock times its throughput)
+    assert [{k: m[k] for k in shared if k in m} for m in ranks[0]["metrics"]] == [
+        {k: m[k] for k in shared if k in m} for m in ranks[1]["metrics"]
+    ]
+    summary = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert summary["steps"] == 7 and 0 < summary["peak_fraction_of_capacity"] < 1
+
+
+def test_a_second_fit_finds_the_step_figures_again(tmp_path):
+    # Lightning empties `callback_metrics` at the start of a run; figures that did not change must go in again.
+    monitor = AccumulationMonitor(logging_interval=50)
+    for _ in range(2):
+        seen = RecordsStepMetrics()
+        trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor, seen])
+        trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
+        assert [metrics[keys.EFFECTIVE_BATCH_SIZE] for metrics in seen.by_step] == [8, 8]

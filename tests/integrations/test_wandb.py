@@ -186,3 +186,42 @@ def test_dashboard_layout_has_the_four_sections_of_the_brief():
 def test_dashboard_spec_refuses_an_empty_entity_or_project(entity, project):
     with pytest.raises(ValueError, match="`entity` and `project` must be non-empty"):
         dashboard_spec(entity, project)
+
+
+def test_the_docs_say_how_each_logger_files_the_monitors_keys_next_to_yours(tmp_path, wandb_offline):
+    # Issue 19, item 8: docs/wandb.md said `accum/window_loss` and `train/loss` "share a row". In a real run they
+    # carry the same step, in two W&B history rows and two CSV rows (TensorBoard, checked by hand, has no rows).
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    from torch.utils.data import DataLoader
+
+    from lightning_accum import AccumulationMonitor, AccumulationScheduler
+    from tests.helpers import IndexedDataset, RegressionModel, make_trainer
+
+    class LogsItsLoss(RegressionModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train/loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+    loggers = [WandbLogger(project="rows", save_dir=str(tmp_path)), CSVLogger(str(tmp_path), name="csv")]
+    trainer = make_trainer(tmp_path, [AccumulationScheduler(2), AccumulationMonitor()], logger=loggers)
+    trainer.fit(LogsItsLoss(), DataLoader(IndexedDataset(24), batch_size=4))  # 3 optimizer steps
+    wandb.finish()
+
+    def steps_of(rows: list[dict], step_key: str) -> tuple[list[int], list[int]]:
+        ours = [int(float(r[step_key])) for r in rows if r.get(keys.WINDOW_LOSS) not in (None, "")]
+        yours = [int(float(r[step_key])) for r in rows if r.get("train/loss") not in (None, "")]
+        both = [r for r in rows if r.get(keys.WINDOW_LOSS) not in (None, "") and r.get("train/loss") not in (None, "")]
+        assert both == []  # never in one row
+        return ours, yours
+
+    history = read_offline_run(tmp_path / "wandb", wait_s=10).history
+    assert steps_of(history, STEP_METRIC) == ([0, 1, 2], [0, 1, 2])
+    with open(Path(loggers[1].log_dir) / "metrics.csv") as f:
+        assert steps_of(list(csv.DictReader(f)), "step") == ([0, 1, 2], [0, 1, 2])
+
+    docs = (Path(__file__).parents[2] / "docs" / "wandb.md").read_text()
+    assert "share a row" not in docs
+    assert "two history rows" in docs and "two rows of `metrics.csv` with the same `step`" in docs
