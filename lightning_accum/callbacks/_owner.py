@@ -191,8 +191,7 @@ class AccumulationOwner(Callback):
     ) -> None:
         """Publish the report of the optimizer step whose window the engine just closed."""
         totals = closed.totals
-        events, self._pending_events = tuple(self._pending_events), []
-        self.last_step_report = StepReport(
+        report = StepReport(
             mode=mode,
             micro_batch_size=micro_batch_size,
             accumulation_steps=closed.micro_batches,  # this step's, not the plan: a tail is short
@@ -202,11 +201,21 @@ class AccumulationOwner(Callback):
             oom_retries=self.oom_retries,
             loss_sum=loss.total,
             loss_items=loss.items,
-            events=events,
+            events=self._take_events(),
             peak_bytes=peak_bytes,
             budget_bytes=budget_bytes,
             noise=closed.noise,
         )
+        self._publish(report)
+
+    def _publish(self, report: StepReport) -> None:
+        """Make ``report`` the one the monitor reads for this step."""
+        self.last_step_report = report
+
+    def _take_events(self) -> tuple[AccumulationEvent, ...]:
+        """The events recorded since the last report, once."""
+        events, self._pending_events = tuple(self._pending_events), []
+        return events
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing

@@ -35,7 +35,7 @@ from lightning_accum.memory.backends import MemoryBackend, backend_for, free_byt
 from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
 from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.planner import MicroBatchPlanner, PlannerSettings
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
 from lightning_accum.report import AccumulationEvent
 from lightning_accum.split_step import SplitStepRunner
@@ -67,23 +67,17 @@ class AutoMicroBatching(AccumulationOwner):
     * **OOM recovery.** An out-of-memory error in any micro-batch's forward or backward discards the attempt's
       gradients, frees memory, shrinks ``b`` and re-runs the same step batch: no sample is lost or counted twice.
       Every rank learns of the OOM through one small all-reduce and retries together.
-    * **Before memory runs out.** When a step's peak passes the budget (or CUDA's allocator retries keep rising),
-      the next step uses a smaller ``b``; a linear model ``peak(b) = fixed + per_sample * b`` fitted to the measured
-      peaks predicts the largest ``b`` that fits.
-    * **Growing back.** When the peak stays under a low watermark for ``grow_patience`` steps, ``b`` grows, never to
-      a size that ran out of memory within the last ``oom_cooldown`` steps.
-    * **DDP.** Gradients are accumulated locally and summed across ranks once, after every rank has finished its
-      micro-batches (``gradient_sync="deferred"``, the default): an OOM anywhere can then never leave a rank waiting
-      in DDP's all-reduce. ``"overlap"`` lets DDP overlap the all-reduce with the last micro-batch's backward; it is
-      faster, and an OOM up to the last micro-batch's forward is still retried on every rank, but an OOM *inside
-      that last backward* on one rank is not recoverable: that rank raises at once and the others stop when it
-      exits, or at the process group's timeout.
-    * **FSDP2** (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``, data-parallel only). The
-      parameters are all-gathered once per step and stay unsharded through it, so no forward or backward waits in an
-      all-gather for a rank that failed. Every micro-batch but the last accumulates unsharded gradients without a
-      reduce-scatter; the ranks agree after the last forward, and the last backward reduce-scatters once per FSDP
-      unit, as ``"overlap"`` does under DDP: an OOM up to that point is retried on every rank, one inside the last
-      backward stops every rank with an error. ``gradient_sync`` defaults to this; ``"deferred"`` is refused.
+    * **Before memory runs out, and growing back.** A step whose peak passes the budget (or whose allocator retries
+      keep rising) makes the next use a smaller ``b``, predicted from a linear model of the measured peaks; ``b``
+      grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
+      ``oom_cooldown`` steps (`lightning_accum.planner`; the settings: `lightning_accum.planner_settings`).
+    * **DDP and FSDP2** (`lightning_accum.split_sync`). Under DDP the gradients are summed across ranks once,
+      after every rank finished its micro-batches (``gradient_sync="deferred"``, the default): an OOM anywhere can
+      never leave a rank waiting in DDP's all-reduce. ``"overlap"`` lets DDP sync in the last micro-batch's backward,
+      after the ranks agreed on every forward: faster, but an OOM *inside that backward* cannot be retried (that rank
+      raises, and the others stop when it exits or at the process group's timeout). FSDP2 (``ModelParallelStrategy``
+      with ``fully_shard``, data-parallel only) gathers the parameters once per step and reduce-scatters in the last
+      backward, as ``"overlap"`` does. Ranks whose step batches differ run different numbers of micro-batches.
     * **Empty micro-batches.** A micro-batch whose ``count_items`` is 0 contributes nothing: its backward is skipped,
       so a mean over no items (``0 / 0 = NaN``) reaches neither the gradient nor the window loss nor ``self.log``.
     * **Batch norm** normalizes each micro-batch over its own samples, so a model with batch-norm layers gets a
@@ -139,17 +133,17 @@ class AutoMicroBatching(AccumulationOwner):
 
     def __init__(
         self,
-        micro_batch_size: MicroBatchSize = "auto",
+        micro_batch_size: MicroBatchSize = PlannerSettings.micro_batch_size,
         *,
         max_memory: MemorySize | None = None,
-        min_micro_batch_size: PositiveInt = 1,
+        min_micro_batch_size: PositiveInt = PlannerSettings.min_micro_batch_size,
         count_items: ItemCounter | ImportPath | None = None,
         loss_reduction: LossReduction = "mean",
-        pin_micro_batch_size: bool = False,
-        low_watermark: OpenUnitInterval = 0.7,
-        grow_patience: PositiveInt = 20,
-        oom_cooldown: NonNegativeInt = 200,
-        predictive: bool = True,
+        pin_micro_batch_size: bool = PlannerSettings.pin_micro_batch_size,
+        low_watermark: OpenUnitInterval = PlannerSettings.low_watermark,
+        grow_patience: PositiveInt = PlannerSettings.grow_patience,
+        oom_cooldown: NonNegativeInt = PlannerSettings.oom_cooldown,
+        predictive: bool = PlannerSettings.predictive,
         gradient_sync: GradientSync | None = None,
         split_batch: SplitBatchFn | ImportPath | None = None,
         batch_size_of: BatchSizeFn | ImportPath | None = None,
@@ -169,16 +163,17 @@ class AutoMicroBatching(AccumulationOwner):
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
         self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
         self.engine.resolve_hooks(None, **self._hook_arguments)  # checks the arguments now
-        # The planner validates the sizes and thresholds; the budget is set once the device is known.
-        self.planner = MicroBatchPlanner(
+        # The settings validate the sizes and thresholds; the budget is set once the device is known.
+        settings = PlannerSettings(
             micro_batch_size,
             min_micro_batch_size=min_micro_batch_size,
+            pin_micro_batch_size=pin_micro_batch_size,
             low_watermark=low_watermark,
             grow_patience=grow_patience,
             oom_cooldown=oom_cooldown,
             predictive=predictive,
-            pin_micro_batch_size=pin_micro_batch_size,
         )
+        self.planner = MicroBatchPlanner(settings)
         self._runner: SplitStepRunner | None = None  # one per fit, built at the start of training
         self._backend: MemoryBackend | None = None
         self._retries_at_start = 0
@@ -193,35 +188,15 @@ class AutoMicroBatching(AccumulationOwner):
         """Collectives the deferred gradient sync issued in the last fit, for tests and benchmarks."""
         return self._runner.gradient_allreduces if self._runner is not None else 0
 
-    # ----------------------------------------------------------------------------------------------------------
-    # setup and teardown
-    # ----------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "`AutoMicroBatching` needs automatic optimization, but this LightningModule sets"
-                " `automatic_optimization = False`. Under manual optimization, split the batch yourself and use"
-                " `lightning_accum.ManualAccumulation`."
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot be combined with"
-                " `AutoMicroBatching`: in split mode each dataloader batch is one optimizer step. Remove"
-                " `accumulate_grad_batches` and make the dataloader yield the whole per-device step batch."
-            )
+        _refuse_what_split_mode_cannot_run(trainer, pl_module)
         strategy = trainer.strategy
         self.gradient_sync = resolve_gradient_sync(strategy, self._gradient_sync_given)
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise RuntimeError(
-                "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
-                " `trainer.accumulate_grad_batches` at each epoch start, and in split mode each dataloader batch is one"
-                " optimizer step. Remove `GradientAccumulationScheduler`; to grow the effective batch size, make the"
-                " dataloader yield larger step batches (`AutoMicroBatching` splits them to fit memory), or use"
-                " `AccumulationScheduler` (window mode) instead of `AutoMicroBatching`."
-            )
+            raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
         backend = getattr(strategy, "process_group_backend", None)
         warning = overlap_wait_warning(
@@ -268,21 +243,16 @@ class AutoMicroBatching(AccumulationOwner):
 
     @override
     def settings(self) -> dict[str, Any]:
-        planner = self.planner
-        budget = planner.budget_bytes
+        budget = self.planner.budget_bytes
+        # The settings this callback takes (the planner's `refit_tolerance` is not one of its arguments).
+        planner = {k: v for k, v in self.planner.settings.run_config().items() if k != "refit_tolerance"}
         return {
             "mode": "split",
-            "micro_batch_size": planner.micro_batch_size_setting,
+            **planner,
             "max_memory": self._max_memory_given,
             "budget_bytes": None if budget is None else int(budget),  # resolved at the start of training
             "memory_capacity_bytes": self._capacity_bytes,
-            "min_micro_batch_size": planner.min_micro_batch_size,
             **super().settings(),
-            "pin_micro_batch_size": planner.pin_micro_batch_size,
-            "low_watermark": planner.low_watermark,
-            "grow_patience": planner.grow_patience,
-            "oom_cooldown": planner.oom_cooldown,
-            "predictive": planner.predictive,
             "gradient_sync": self.gradient_sync,
             "split_batch": self._hooks.split_batch_source,
             "preflight": self.preflight,
@@ -307,12 +277,7 @@ class AutoMicroBatching(AccumulationOwner):
         if trainer.accumulate_grad_batches != 1:
             # Set after `setup` (by a callback such as `GradientAccumulationScheduler`, or by hand): Lightning would
             # skip optimizer steps, and split mode would silently drop step batches.
-            raise ValueError(
-                f"`trainer.accumulate_grad_batches` became {trainer.accumulate_grad_batches} at epoch"
-                f" {trainer.current_epoch}, but `AutoMicroBatching` needs 1: in split mode each dataloader batch is one"
-                " optimizer step. Remove whatever sets it (e.g. a `GradientAccumulationScheduler`), and make the"
-                " dataloader yield larger step batches to grow the effective batch size."
-            )
+            raise ValueError(_ACCUMULATE_GRAD_BATCHES_CHANGED.format(trainer=trainer))
         if self._size_shrunk:
             # Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak
             # measured at the new size; release it once, not every step (re-faulting pages costs throughput). A grow
@@ -374,9 +339,6 @@ class AutoMicroBatching(AccumulationOwner):
         for event in self.planner.take_events():
             self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason))
 
-    # ----------------------------------------------------------------------------------------------------------
-    # checkpointing
-    # ----------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "planner": self.planner.state_dict()}
@@ -446,6 +408,36 @@ def _predicted_start(
     start = found.starting_micro_batch_size(budget, step_batch_size, backend.current_bytes(), free_bytes(backend))
     # Predicted not to fit at all: begin where an OOM would end up.
     return (planner.min_micro_batch_size if start is None else start), "", found
+
+
+def _refuse_what_split_mode_cannot_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            "`AutoMicroBatching` needs automatic optimization, but this LightningModule sets"
+            " `automatic_optimization = False`. Under manual optimization, split the batch yourself and use"
+            " `lightning_accum.ManualAccumulation`."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot be combined with"
+            " `AutoMicroBatching`: in split mode each dataloader batch is one optimizer step. Remove"
+            " `accumulate_grad_batches` and make the dataloader yield the whole per-device step batch."
+        )
+
+
+_GRADIENT_ACCUMULATION_SCHEDULER = (
+    "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
+    " `trainer.accumulate_grad_batches` at each epoch start, and in split mode each dataloader batch is one optimizer"
+    " step. Remove `GradientAccumulationScheduler`; to grow the effective batch size, make the dataloader yield"
+    " larger step batches (`AutoMicroBatching` splits them to fit memory), or use `AccumulationScheduler` (window"
+    " mode) instead of `AutoMicroBatching`."
+)
+_ACCUMULATE_GRAD_BATCHES_CHANGED = (
+    "`trainer.accumulate_grad_batches` became {trainer.accumulate_grad_batches} at epoch {trainer.current_epoch}, but"
+    " `AutoMicroBatching` needs 1: in split mode each dataloader batch is one optimizer step. Remove whatever sets it"
+    " (e.g. a `GradientAccumulationScheduler`), and make the dataloader yield larger step batches to grow the"
+    " effective batch size."
+)
 
 
 def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
