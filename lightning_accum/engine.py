@@ -17,7 +17,7 @@ validate, count, weigh, schedule and checkpoint alike. Why ``k`` changed at step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -278,6 +278,7 @@ class AccumulationEngine:
         ranks: Ranks = Ranks(),
         averaged_over: int | None = None,
         measure_noise: bool = True,
+        extra: Sequence[float] = (),
     ) -> ClosedWindow:
         """Rescale the window's gradients to the exact mean, measure the noise scale, and count the samples.
 
@@ -289,10 +290,12 @@ class AccumulationEngine:
                 Default: every rank.
             measure_noise: ``False`` where no rank holds its own first micro-batch's gradient (a sync after every
                 micro-batch): the same on every rank.
+            extra: more figures of this rank to sum over ranks with the window's counts (``totals.extra``), in the
+                same all-reduce.
         """
         normalizer = self.normalizer
         world = ranks.world_size if averaged_over is None else averaged_over
-        totals = normalizer.finish_window(parameters, ranks.sum, world, ranks=ranks.world_size)
+        totals = normalizer.finish_window(parameters, ranks.sum, world, ranks=ranks.world_size, extra=extra)
         noise = None
         if measure_noise:
             noise = self.noise.measure(

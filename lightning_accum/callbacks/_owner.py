@@ -151,7 +151,7 @@ class AccumulationOwner(Callback):
         engine.capture_first_gradient(trainer.global_step, gradients, _compat.gradient_scale(trainer))
 
     def _close_window(
-        self, trainer: pl.Trainer, optimizer: Optimizer, averaged_over: int | None = None
+        self, trainer: pl.Trainer, optimizer: Optimizer, averaged_over: int | None = None, extra: Any = ()
     ) -> ClosedWindow:
         """At the optimizer step: the window's exact gradient, its noise scale and its totals (every rank alike)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -162,6 +162,7 @@ class AccumulationOwner(Callback):
             averaged_over,
             # Rank-consistent: the meter's collective runs on every rank or on none.
             measure_noise=not self._syncs_first_micro_batch(trainer),
+            extra=extra,
         )
 
     # ----------------------------------------------------------------------------------------------------------
@@ -188,8 +189,12 @@ class AccumulationOwner(Callback):
         loss: LossSum,
         peak_bytes: int | None = None,
         budget_bytes: float | None = None,
+        tokens: tuple[int, float] | None = None,
     ) -> None:
-        """Publish the report of the optimizer step whose window the engine just closed."""
+        """Publish the report of the optimizer step whose window the engine just closed.
+
+        ``tokens``: the token budget and the padding fraction (split mode by tokens).
+        """
         totals = closed.totals
         report = StepReport(
             mode=mode,
@@ -205,6 +210,8 @@ class AccumulationOwner(Callback):
             peak_bytes=peak_bytes,
             budget_bytes=budget_bytes,
             noise=closed.noise,
+            micro_batch_tokens=None if tokens is None else tokens[0],
+            padding_fraction=None if tokens is None else tokens[1],
         )
         self._publish(report)
 

@@ -43,7 +43,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -56,7 +56,7 @@ from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
 from lightning_accum.probe.measure import optimizers_of, train_step
-from lightning_accum.splitting import BatchHooks
+from lightning_accum.splitting import BatchHooks, MicroBatch
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,15 @@ TRACED_TRAINING_STEPS = 5
 _tracing = 0  # a count, not a flag: a trace inside a trace (a test's, say) ends with the outer one
 
 
+class MicroBatchCutter(Protocol):
+    """What cuts the traced step batch: `lightning_accum.splitting.BatchHooks`, or a cut by tokens.
+
+    A cut by tokens (`lightning_accum.sequences.TokenCut`) takes token budgets for sizes.
+    """
+
+    def split(self, batch: Any, micro_batch_size: int) -> list[MicroBatch]: ...
+
+
 def preflight(
     module: nn.Module,
     step_batch: Any,
@@ -156,7 +165,7 @@ def preflight(
     *,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     precision: str | int = "32-true",
-    hooks: BatchHooks | None = None,
+    hooks: MicroBatchCutter | None = None,
 ) -> Preflight:
     """Trace a split-mode step at two micro-batch sizes on fake tensors, and fit ``peak(b)`` on the two peaks.
 
@@ -243,7 +252,7 @@ def _trace(
     sizes: list[int],
     optimizers: Sequence[torch.optim.Optimizer] | None,
     precision: StepPrecision,
-    hooks: BatchHooks | None,
+    hooks: MicroBatchCutter | None,
 ) -> tuple[dict[int, int], int]:
     on_cuda = any(p.device.type == "cuda" for p in module.parameters())
     fake = FakeTarget("cuda" if on_cuda else "cpu")
