@@ -192,3 +192,21 @@ def test_report_device_makes_self_device_read_it_without_moving_anything():
     _compat.report_device(model, torch.device("meta"))
     assert model.device == model.inner.device == torch.device("meta")
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# outside `_compat`: `lightning_accum/probe/preflight.py` reads `LightningModule._trainer` (None when detached)
+# ---------------------------------------------------------------------------------------------------------------
+class _SeesItsTrainer(RegressionModel):
+    def on_train_start(self) -> None:
+        self.attached = self._trainer
+
+
+def test_a_lightning_modules_trainer_is_kept_in_its_private_attribute(tmp_path):
+    model = _SeesItsTrainer()
+    assert model._trainer is None  # what the pre-flight reads for a module no Trainer holds
+    with pytest.raises(RuntimeError, match="is not attached to a `Trainer`"):
+        model.trainer  # noqa: B018  # the public property refuses instead
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.fit(model, _loader())
+    assert model.attached is trainer
