@@ -14,28 +14,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _compat
-from lightning_accum.callbacks._owner import log_info
-from lightning_accum.distributed import sum_across_ranks_fn
-from lightning_accum.items import resolve_counter
-from lightning_accum.noise_scale import WindowNoiseMeter
-from lightning_accum.normalization import (
-    ItemCounter,
-    LossReduction,
-    WindowNormalizer,
-    WindowTotals,
-    check_loss_reduction,
-    count_items,
-)
+from lightning_accum.callbacks._owner import log_info, ranks_of
+from lightning_accum.engine import AccumulationEngine
+from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer, WindowTotals
 from lightning_accum.report import AccumulationEvent
-from lightning_accum.schedules import (
-    AccumulationSchedule,
-    AdaptiveSchedule,
-    ConstantSchedule,
-    Progress,
-    as_schedule,
-    scale_learning_rates,
-)
-from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
+from lightning_accum.schedules import AccumulationSchedule, as_schedule, scale_learning_rates
 
 
 class ManualAccumulation:
@@ -98,24 +81,33 @@ class ManualAccumulation:
                 "`ManualAccumulation(accumulation_steps=...)` is now `schedule=`; the old name goes in 0.3."
             )
             schedule = accumulation_steps
-        self.schedule: AccumulationSchedule = as_schedule(schedule, "epoch") or ConstantSchedule(1)
-        self.count_items = resolve_counter(count_items)
-        self.normalizer = WindowNormalizer(check_loss_reduction(loss_reduction))
+        self.engine = AccumulationEngine(count_items, loss_reduction, as_schedule(schedule, "epoch"))
         self.last_window: WindowTotals | None = None
         self.last_noise: tuple[float, float] | None = None  # the last window's (|G|², tr Σ), where measured
-        self.consumed_samples = 0
         self.optimizer_steps = 0  # complete windows: the step count that picks the measured windows
         self.events: list[AccumulationEvent] = []  # every change of k
-        self._k = 1
-        self._k_known = False  # False until the first window: its k is the start, not a change
         self._position = -1  # -1: no window open
         self._epoch = -1
-        self._hooks: BatchHooks | None = None
-        self._noise_meter = WindowNoiseMeter()
-        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every window.
-        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
-        if self._adaptive is not None:
-            self._noise_meter.request()  # k follows the measured noise scale
+        self._hooks_resolved = False
+        if self.engine.schedule.adaptive is not None:
+            self.engine.noise.request()  # k follows the measured noise scale
+
+    @property
+    def schedule(self) -> AccumulationSchedule:
+        return self.engine.schedule.schedule
+
+    @property
+    def count_items(self) -> ItemCounter | None:
+        return self.engine.count_items
+
+    @property
+    def normalizer(self) -> WindowNormalizer:
+        return self.engine.normalizer
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed since the start of training, all ranks."""
+        return self.engine.consumed_samples
 
     def backward(
         self,
@@ -139,17 +131,18 @@ class ManualAccumulation:
             **kwargs: passed to ``module.manual_backward``.
 
         Raises:
-            ValueError: the module has several optimizers and ``optimizer`` is not given.
+            ValueError: the module has several optimizers and ``optimizer`` is not given, or the schedule returned
+                something other than an int >= 1.
         """
-        trainer = module.trainer
-        if self._hooks is None:
-            self._hooks = resolve_batch_hooks(module)  # the module's `batch_size_of` method, if it has one
-        n_samples = self._hooks.batch_size(batch)
+        trainer, engine = module.trainer, self.engine
+        if not self._hooks_resolved:
+            engine.resolve_hooks(module)  # the module's `batch_size_of` method, if it has one
+            self._hooks_resolved = True
+        n_items, n_samples = engine.count(batch)
         if self._position < 0 or trainer.current_epoch != self._epoch:
             self._start_window(trainer, _optimizer_of(module, optimizer), n_samples)
-        n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
-        weight = self.normalizer.add_micro_batch(n_items, n_samples)
-        window_complete = self._position >= self._k - 1 or _compat.is_last_training_batch(trainer)
+        weight = engine.add(n_items, n_samples)
+        window_complete = self._position >= engine.schedule.k - 1 or _compat.is_last_training_batch(trainer)
         with contextlib.ExitStack() as no_sync:
             if not window_complete:
                 # DDP's `no_sync` (through the strategy) and FSDP2's held-back reduce-scatter, which Lightning's
@@ -160,99 +153,41 @@ class ManualAccumulation:
                     no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
             module.manual_backward(loss * weight, *args, **kwargs)
         if not window_complete:
-            if self._position == 0 and self._noise_meter.wants(self.optimizer_steps):
-                self._capture_first_gradient(module, optimizer)
+            if self._position == 0 and engine.wants_noise(self.optimizer_steps):
+                # The window's first micro-batch, not yet synced: the noise scale's small batch.
+                params = _parameters(_optimizer_of(module, optimizer))
+                gradients = _compat.unsynced_gradients(module, params)
+                engine.capture_first_gradient(self.optimizer_steps, gradients, _compat.gradient_scale(trainer))
             self._position += 1
             return False
-        self._finish_window(trainer, _optimizer_of(module, optimizer))
-        return True
-
-    def _capture_first_gradient(
-        self, module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None
-    ) -> None:
-        """The window's first micro-batch, not yet synced: the noise scale's small batch (see `WindowNoiseMeter`)."""
-        normalizer = self.normalizer
-        self._noise_meter.capture(
-            self.optimizer_steps,
-            normalizer.windows_started,
-            _compat.unsynced_gradients(module, _parameters(_optimizer_of(module, optimizer))),
-            normalizer.first_items,
-            normalizer.divisor,
-            _compat.gradient_scale(module.trainer),
+        closed = engine.close_window(
+            self.optimizer_steps, _parameters(_optimizer_of(module, optimizer)), ranks_of(trainer)
         )
-
-    def _finish_window(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
-        """Make the window's gradient exact, measure its noise scale and let an adaptive schedule see both."""
-        params, sum_fn = _parameters(optimizer), sum_across_ranks_fn(trainer)
-        totals = self.normalizer.finish_window(params, sum_fn, trainer.world_size)
-        self.last_window = totals
-        self.last_noise = self._noise_meter.measure(
-            self.optimizer_steps,
-            self.normalizer.windows_started,
-            [p.grad for p in params if p.grad is not None],
-            items=totals.items,
-            micro_batches=self.normalizer.micro_batches,
-            world_size=trainer.world_size,
-            sum_across_ranks=sum_fn,
-        )
-        if self._adaptive is not None:
-            # Global figures (summed or averaged over ranks): every rank's schedule decides alike.
-            self._adaptive.observe(totals.items, self.normalizer.micro_batches, trainer.world_size, self.last_noise)
-        self.consumed_samples += totals.samples
+        self.last_window, self.last_noise = closed.totals, closed.noise
         self.optimizer_steps += 1
         self._position = -1
+        return True
 
     def _start_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
         self._epoch = trainer.current_epoch
         self._position = 0
-        progress = Progress(
-            epoch=trainer.current_epoch,
-            optimizer_steps=trainer.global_step,
-            consumed_samples=self.consumed_samples,
-            micro_batch_size=n_samples,
-            world_size=trainer.world_size,
+        plan = self.engine.plan_window(
+            epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=ranks_of(trainer)
         )
-        k = self.schedule.accumulation_steps(progress)
-        if self._k_known and k != self._k:
-            self._change_k(trainer, optimizer, k)
-        self._k, self._k_known = k, True
-        self.normalizer.start_window(self._k)
-
-    def _change_k(self, trainer: pl.Trainer, optimizer: Optimizer, k: int) -> None:
-        """Log a change of ``k`` and apply the schedule's learning-rate rule to this helper's optimizer."""
-        reason = f"epoch {trainer.current_epoch}"
-        factor = self._adaptive.lr_factor(self._k, k) if self._adaptive is not None else 1.0
-        if factor != 1.0:
+        if plan.change is not None:
+            # The schedule's learning-rate rule, applied to this helper's optimizer (and its schedulers) only.
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
-            scale_learning_rates([optimizer], schedulers, factor)
-            reason += f"; learning rate x{factor:.4g}"
-        event = AccumulationEvent("schedule_change", trainer.global_step, self._k, k, reason)
-        self.events.append(event)
-        log_info(event.message())
+            scale_learning_rates([optimizer], schedulers, plan.lr_factor)
+            self.events.append(plan.change)
+            log_info(plan.change.message())
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "consumed_samples": self.consumed_samples,
-            "optimizer_steps": self.optimizer_steps,
-            "normalizer": self.normalizer.state_dict(),
-            "noise_meter": self._noise_meter.state_dict(),
-        }
-        if self._k_known:
-            state["accumulation_steps"] = self._k
-        if callable(getattr(self.schedule, "state_dict", None)):
-            state["schedule"] = self.schedule.state_dict()  # e.g. the noise-scale estimate
-        return state
+        return {**self.engine.state_dict(), "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.engine.load_state_dict(state)
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
-        self.normalizer.load_state_dict(state.get("normalizer", {}))
-        self._noise_meter.load_state_dict(state.get("noise_meter", {}))
-        self._k = int(state.get("accumulation_steps", 1))
-        self._k_known = "accumulation_steps" in state
         self._position = -1
-        if "schedule" in state and callable(getattr(self.schedule, "load_state_dict", None)):
-            self.schedule.load_state_dict(state["schedule"])
 
 
 def _optimizer_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> Optimizer:

@@ -1,7 +1,8 @@
 """What every callback that owns accumulation does alike: claiming ``k``, undoing its patches, publishing reports.
 
 ``AccumulationScheduler`` (window mode) and ``AutoMicroBatching`` (split mode) differ in how a step is cut into
-micro-batches; everything around that lives here, once.
+micro-batches; the arithmetic lives in their shared `lightning_accum.engine.AccumulationEngine`, and the Lightning
+glue around it here, once.
 """
 
 from __future__ import annotations
@@ -13,22 +14,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
-from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum.distributed import sum_across_ranks_fn
-from lightning_accum.items import resolve_counter
-from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
-from lightning_accum.normalization import (
-    ItemCounter,
-    LossReduction,
-    WindowNormalizer,
-    WindowTotals,
-    check_loss_reduction,
-)
+from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.engine import AccumulationEngine, ClosedWindow, Ranks
+from lightning_accum.noise_scale import NoiseScaleEstimator
+from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer
 from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
-from lightning_accum.splitting import BatchHooks, resolve_batch_hooks
+from lightning_accum.splitting import BatchHooks
 
 log = logging.getLogger("lightning_accum")
 
@@ -36,25 +31,43 @@ log = logging.getLogger("lightning_accum")
 class AccumulationOwner(Callback):
     """Base of the callbacks that own gradient accumulation. Not used directly.
 
-    It holds the item counter, the exactness arithmetic (`lightning_accum.normalization.WindowNormalizer`) and the
-    batch hooks; it moves its callback to the front of ``trainer.callbacks`` (so that every other
+    It holds the `lightning_accum.engine.AccumulationEngine` (counting, the exactness arithmetic, the schedule, the
+    noise scale, the state); it moves its callback to the front of ``trainer.callbacks`` (so that every other
     ``on_before_optimizer_step`` sees the exact gradient), undoes what the subclass installed on the trainer when
     ``fit`` ends or raises, and publishes one `lightning_accum.report.StepReport` per optimizer step.
     """
 
-    def __init__(self, count_items: ItemCounter | str | None, loss_reduction: LossReduction) -> None:
-        self.count_items = resolve_counter(count_items)
-        self.loss_reduction: LossReduction = check_loss_reduction(loss_reduction)
-        self.normalizer = WindowNormalizer(loss_reduction)
+    def __init__(
+        self, count_items: ItemCounter | str | None, loss_reduction: LossReduction, schedule: Any = None
+    ) -> None:
+        self.engine = AccumulationEngine(count_items, loss_reduction, schedule)
         self.last_step_report: StepReport | None = None
-        self.consumed_samples = 0  # all ranks, since the start of training (restored on resume)
         self.oom_retries = 0
         self.events: list[AccumulationEvent] = []  # every event of the run (they are rare: OOMs, resizes, k changes)
-        self._hooks: BatchHooks = resolve_batch_hooks(None)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
-        self._noise_meter = WindowNoiseMeter()
-        self._noise: tuple[float, float] | None = None
+
+    # What the engine holds, by the names callers and older tests use.
+    @property
+    def count_items(self) -> ItemCounter | None:
+        return self.engine.count_items
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self.engine.loss_reduction
+
+    @property
+    def normalizer(self) -> WindowNormalizer:
+        return self.engine.normalizer
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed since the start of training, all ranks (restored on resume)."""
+        return self.engine.consumed_samples
+
+    @property
+    def _hooks(self) -> BatchHooks:
+        return self.engine.hooks
 
     # ----------------------------------------------------------------------------------------------------------
     # the trainer
@@ -97,7 +110,7 @@ class AccumulationOwner(Callback):
 
         `lightning_accum.AccumulationMonitor` logs this one, so the chart shows what the schedule acted on.
         """
-        return None
+        return self.engine.schedule.noise_scale
 
     def measure_noise_scale(self, every: int = 1) -> None:
         """Estimate the gradient noise scale in every ``every``-th window and put it in the step reports.
@@ -109,7 +122,7 @@ class AccumulationOwner(Callback):
         and, under DDP or FSDP2, one all-reduce of six numbers; no extra forward, backward or gradient collective. The
         other windows cost nothing.
         """
-        self._noise_meter.request(every)
+        self.engine.noise.request(every)
 
     @property
     def noise_windows(self) -> int:
@@ -118,7 +131,7 @@ class AccumulationOwner(Callback):
         The windows since the previous measurement, counted from the optimizer steps (and restored on resume), so an
         average that weighs each measurement by it covers the same span of training in a resumed run.
         """
-        return self._noise_meter.windows
+        return self.engine.noise.windows
 
     def _syncs_first_micro_batch(self, trainer: pl.Trainer) -> bool:
         """Whether the ranks sync the gradient after the window's first micro-batch, so no rank holds its own."""
@@ -126,39 +139,29 @@ class AccumulationOwner(Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        normalizer = self.normalizer
-        if normalizer.micro_batches != 1 or not self._noise_meter.wants(trainer.global_step):
+        engine = self.engine
+        if engine.normalizer.micro_batches != 1 or not engine.wants_noise(trainer.global_step):
             return
         if self._syncs_first_micro_batch(trainer):
             return
-        # The window's first micro-batch, before any other is added: its buffer holds `n_1 / (r k)` times the mean
+        # The window's first micro-batch, before any other is added: its buffer holds `n_1 / D` times the mean
         # gradient over its own items (and the loss scale, under 16-bit mixed precision). Under FSDP2 it sits on
         # FSDP2's unsharded parameters, the sync being held back.
-        self._noise_meter.capture(
-            trainer.global_step,
-            normalizer.windows_started,
-            _compat.unsynced_gradients(pl_module, list(pl_module.parameters())),
-            normalizer.first_items,
-            normalizer.divisor,
-            _compat.gradient_scale(trainer),
-        )
+        gradients = _compat.unsynced_gradients(pl_module, list(pl_module.parameters()))
+        engine.capture_first_gradient(trainer.global_step, gradients, _compat.gradient_scale(trainer))
 
-    def _measure_noise(self, trainer: pl.Trainer, params: list[Tensor], totals: WindowTotals) -> None:
-        """After the step's gradient is exact: this window's estimates of |G|² and tr(Σ), averaged over ranks."""
-        self._noise = None
-        # Rank-consistent conditions only: the meter's collective runs on every rank or on none. The number of
-        # micro-batches is this rank's (a sampler may give ranks different step batches): it only decides whether
-        # this rank gives a pair of its own.
-        if self._syncs_first_micro_batch(trainer):
-            return
-        self._noise = self._noise_meter.measure(
+    def _close_window(
+        self, trainer: pl.Trainer, optimizer: Optimizer, averaged_over: int | None = None
+    ) -> ClosedWindow:
+        """At the optimizer step: the window's exact gradient, its noise scale and its totals (every rank alike)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.engine.close_window(
             trainer.global_step,
-            self.normalizer.windows_started,
-            [p.grad for p in params if p.grad is not None],
-            items=totals.items,
-            micro_batches=self.normalizer.micro_batches,
-            world_size=trainer.world_size,
-            sum_across_ranks=sum_across_ranks_fn(trainer),
+            params,
+            ranks_of(trainer),
+            averaged_over,
+            # Rank-consistent: the meter's collective runs on every rank or on none.
+            measure_noise=not self._syncs_first_micro_batch(trainer),
         )
 
     # ----------------------------------------------------------------------------------------------------------
@@ -177,39 +180,40 @@ class AccumulationOwner(Callback):
         self._pending_events.append(event)
         log_info(event.message())
 
-    def _publish(self, report: StepReport) -> None:
-        self.last_step_report = report
-
     def _publish_step(
         self,
         mode: Mode,
         micro_batch_size: int,
-        totals: WindowTotals,
+        closed: ClosedWindow,
         loss: LossSum,
         peak_bytes: int | None = None,
         budget_bytes: float | None = None,
     ) -> None:
-        """Publish the report of the optimizer step whose window ``totals`` the normalizer just returned."""
-        self._publish(
-            StepReport(
-                mode=mode,
-                micro_batch_size=micro_batch_size,
-                accumulation_steps=self.normalizer.micro_batches,  # this step's, not the plan: a tail is short
-                effective_batch_size=totals.samples,
-                items=totals.items,
-                consumed_samples=self.consumed_samples,
-                oom_retries=self.oom_retries,
-                loss_sum=loss.total,
-                loss_items=loss.items,
-                events=self._take_events(),
-                peak_bytes=peak_bytes,
-                budget_bytes=budget_bytes,
-                noise=self._noise,
-            )
+        """Publish the report of the optimizer step whose window the engine just closed."""
+        totals = closed.totals
+        report = StepReport(
+            mode=mode,
+            micro_batch_size=micro_batch_size,
+            accumulation_steps=closed.micro_batches,  # this step's, not the plan: a tail is short
+            effective_batch_size=totals.samples,
+            items=totals.items,
+            consumed_samples=self.consumed_samples,
+            oom_retries=self.oom_retries,
+            loss_sum=loss.total,
+            loss_items=loss.items,
+            events=self._take_events(),
+            peak_bytes=peak_bytes,
+            budget_bytes=budget_bytes,
+            noise=closed.noise,
         )
-        self._noise = None
+        self._publish(report)
+
+    def _publish(self, report: StepReport) -> None:
+        """Make ``report`` the one the monitor reads for this step."""
+        self.last_step_report = report
 
     def _take_events(self) -> tuple[AccumulationEvent, ...]:
+        """The events recorded since the last report, once."""
         events, self._pending_events = tuple(self._pending_events), []
         return events
 
@@ -218,20 +222,19 @@ class AccumulationOwner(Callback):
     # ----------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "consumed_samples": self.consumed_samples,
-            "oom_retries": self.oom_retries,
-            "normalizer": self.normalizer.state_dict(),
-            "noise_meter": self._noise_meter.state_dict(),
-        }
+        return {**self.engine.state_dict(), "oom_retries": self.oom_retries}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        self.engine.load_state_dict(state_dict)
         self.oom_retries = int(state_dict.get("oom_retries", 0))
-        self.normalizer.load_state_dict(state_dict.get("normalizer", {}))
-        self._noise_meter.load_state_dict(state_dict.get("noise_meter", {}))
+
+
+def ranks_of(trainer: pl.Trainer) -> Ranks:
+    """The trainer's ranks and their small collectives, as the engine takes them."""
+    if trainer.world_size <= 1:
+        return Ranks()
+    return Ranks(trainer.world_size, sum_across_ranks_fn(trainer), lambda t: max_across_ranks(trainer, t))
 
 
 def find_owner(callbacks: list[Any]) -> AccumulationOwner | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor
 from torch.optim import Optimizer
@@ -13,22 +12,18 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum._cli_types import ImportPath, Milestones, PositiveInt
-from lightning_accum.callbacks._owner import AccumulationOwner, log_info
-from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
-from lightning_accum.noise_scale import NoiseScaleEstimator
-from lightning_accum.normalization import ItemCounter, LossReduction, WindowTotals, count_items
-from lightning_accum.report import AccumulationEvent, LossSum
+from lightning_accum.callbacks._owner import AccumulationOwner, log_info, ranks_of
+from lightning_accum.engine import ClosedWindow
+from lightning_accum.normalization import ItemCounter, LossReduction
+from lightning_accum.report import LossSum
 from lightning_accum.schedules import (
     AccumulationSchedule,
-    AdaptiveSchedule,
     ConstantSchedule,
-    Progress,
     ScheduleUnit,
     as_schedule,
     count_optimizer_steps,
     scale_learning_rates,
 )
-from lightning_accum.splitting import resolve_batch_hooks
 
 
 class AccumulationScheduler(AccumulationOwner):
@@ -88,8 +83,8 @@ class AccumulationScheduler(AccumulationOwner):
         loss_reduction: LossReduction = "mean",
         sync_every_micro_batch: bool = False,
     ) -> None:
-        super().__init__(count_items, loss_reduction)
-        self.schedule = as_schedule(schedule, unit)
+        self.schedule = as_schedule(schedule, unit)  # as given; `None` adopts the Trainer's at setup
+        super().__init__(count_items, loss_reduction, self.schedule)
         self.unit: ScheduleUnit = unit
         if not isinstance(sync_every_micro_batch, bool):
             raise TypeError(
@@ -99,24 +94,23 @@ class AccumulationScheduler(AccumulationOwner):
             )
         self.sync_every_micro_batch = sync_every_micro_batch
 
-        self._active_schedule: AccumulationSchedule = self.schedule or ConstantSchedule(1)
-        # Checked once: a protocol `isinstance` costs tens of microseconds, too much for every step.
-        self._adaptive = self.schedule if isinstance(self.schedule, AdaptiveSchedule) else None
-        self._k = 1  # the current window's planned length
-        self._k_known = False  # False until the first window of a run: its k is the start, not a change
         self._position = 0  # index of the current micro-batch within its window
         self._new_window = True
         self._stepped = False
-        self._micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-based schedules
         self._pending_counts: tuple[int | float | Tensor, int] = (0, 0)
         self._window_loss = LossSum()  # this rank's loss over the window's items, for the step report
-        self._totals: WindowTotals | None = None
+        self._closed: ClosedWindow | None = None
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._trainer: pl.Trainer | None = None
 
-    @override
-    def noise_scale_in_use(self) -> NoiseScaleEstimator | None:
-        return self._adaptive.estimator if self._adaptive is not None else None
+    @property
+    def _active_schedule(self) -> AccumulationSchedule:
+        """The schedule in use: the one given, or the Trainer's ``accumulate_grad_batches`` adopted at setup."""
+        return self.engine.schedule.schedule
+
+    @property
+    def _k(self) -> int:
+        return self.engine.schedule.k
 
     @override
     def _syncs_first_micro_batch(self, trainer: pl.Trainer) -> bool:
@@ -133,10 +127,10 @@ class AccumulationScheduler(AccumulationOwner):
         self._trainer = trainer
         self._validate(trainer, pl_module)
         if self.schedule is None:
-            self._active_schedule = ConstantSchedule(trainer.accumulate_grad_batches)
-        if self._adaptive is not None:
+            self.engine.schedule.adopt(ConstantSchedule(trainer.accumulate_grad_batches))
+        if self.engine.schedule.adaptive is not None:
             self.measure_noise_scale()  # k follows the measured noise scale
-        self._hooks = resolve_batch_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
+        self.engine.resolve_hooks(pl_module)  # the module's `batch_size_of` method, if it has one
         self._claim(trainer)
         # LR schedules sized from `estimated_stepping_batches` in `configure_optimizers` (which runs after this hook)
         # must see the steps this schedule really takes, not Lightning's k=1 estimate.
@@ -148,7 +142,7 @@ class AccumulationScheduler(AccumulationOwner):
             "mode": "window",
             "schedule": repr(self._active_schedule),
             # What the schedule's keys count (a ramp counts samples whatever `unit` says); None: k never changes.
-            "unit": getattr(self._active_schedule, "unit", None),
+            "unit": self.engine.schedule.unit,
             **super().settings(),
             "sync_every_micro_batch": self.sync_every_micro_batch,
         }
@@ -176,7 +170,7 @@ class AccumulationScheduler(AccumulationOwner):
                 "`AccumulationScheduler` and Lightning's `GradientAccumulationScheduler` both want to own `k`."
                 " Remove `GradientAccumulationScheduler` and pass its `scheduling` dict as `schedule=`."
             )
-        if self._adaptive is not None and self._syncs_first_micro_batch(trainer):
+        if self.engine.schedule.adaptive is not None and self._syncs_first_micro_batch(trainer):
             raise RuntimeError(
                 f"`AccumulationScheduler({self.schedule!r}, sync_every_micro_batch=True)` on {trainer.world_size}"
                 " ranks would never adapt k: the noise scale is measured from each rank's own first micro-batch, and"
@@ -210,7 +204,7 @@ class AccumulationScheduler(AccumulationOwner):
         trainer = self._trainer
         assert trainer is not None
         loader = trainer.train_dataloader
-        micro_batch_size = getattr(loader, "batch_size", None) or self._micro_batch_size or 1
+        micro_batch_size = getattr(loader, "batch_size", None) or self.engine.schedule.micro_batch_size or 1
         sampler = getattr(loader, "sampler", None)
         samples_per_epoch = batches_per_epoch * micro_batch_size
         if sampler is not None and hasattr(sampler, "__len__"):
@@ -242,48 +236,33 @@ class AccumulationScheduler(AccumulationOwner):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        n_samples = self._hooks.batch_size(batch)
+        # Counted now, added at backward time: a micro-batch whose `training_step` returns None has no backward and
+        # no items.
+        n_items, n_samples = self.engine.count(batch)
         if self._new_window or self._stepped:
             self._start_window(trainer, n_samples)
         else:
             self._position += 1
         self._stepped = False
-        # Counted at backward time: a micro-batch whose `training_step` returns None has no backward and no items.
-        n_items = n_samples if self.count_items is None else count_items(batch, self.count_items)
         self._pending_counts = (n_items, n_samples)
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
         self._new_window = False
         self._position = 0
         self._window_loss = LossSum()
-        if self._micro_batch_size == 0:
-            # Sample-keyed schedules need the same micro-batch size on every rank, or ranks would disagree on k.
-            agreed = max_across_ranks(trainer, torch.tensor([n_samples], dtype=torch.int64))
-            self._micro_batch_size = int(agreed.item())
-        epoch, steps, world_size = trainer.current_epoch, trainer.global_step, trainer.world_size
-        progress = Progress(epoch, steps, self.consumed_samples, self._micro_batch_size, world_size)
-        k = self._active_schedule.accumulation_steps(progress)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"The schedule {self._active_schedule!r} returned k={k!r}; it must return an int >= 1.")
-        if k != self._k and self._k_known:
-            reason = f"epoch {progress.epoch}" + self._scale_learning_rate(trainer, self._k, k)
-            self._record(AccumulationEvent("schedule_change", trainer.global_step, self._k, k, reason))
-        self._k_known = True
-        self._k = k
-        trainer.accumulate_grad_batches = k
-        self.normalizer.start_window(k)
-
-    def _scale_learning_rate(self, trainer: pl.Trainer, before: int, after: int) -> str:
-        """Apply the schedule's learning-rate rule for a change of ``k`` (``AdaptiveBatchSize(lr_scaling=...)``)."""
-        factor = self._adaptive.lr_factor(before, after) if self._adaptive is not None else 1.0
-        if factor == 1.0:
-            return ""
-        scale_learning_rates(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
-        return f"; learning rate x{factor:.4g}"
+        plan = self.engine.plan_window(
+            epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=ranks_of(trainer)
+        )
+        if plan.change is not None:
+            # The schedule's learning-rate rule for a change of k (`AdaptiveBatchSize(lr_scaling=...)`).
+            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+            scale_learning_rates(trainer.optimizers, schedulers, plan.lr_factor)
+            self._record(plan.change)
+        trainer.accumulate_grad_batches = plan.k
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        weight = self.normalizer.add_micro_batch(*self._pending_counts)
+        weight = self.engine.add(*self._pending_counts)
         # Lightning divided the loss by k; replace that by the window weight.
         multiplier = weight * _compat.lightning_loss_divisor(trainer)
         if not (isinstance(multiplier, float) and multiplier == 1.0):
@@ -293,12 +272,9 @@ class AccumulationScheduler(AccumulationOwner):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._totals = self.normalizer.finish_window(params, sum_across_ranks_fn(trainer), trainer.world_size)
-        self._measure_noise(trainer, params, self._totals)
+        self._closed = self._close_window(trainer, optimizer)
         self._stepped = True
-        self.consumed_samples += self._totals.samples
-        if self._totals.items <= 0:
+        if self._closed.totals.items <= 0:
             log_info(f"lightning_accum: window at step {trainer.global_step} has no items; optimizer step skipped")
 
     @override
@@ -311,31 +287,15 @@ class AccumulationScheduler(AccumulationOwner):
             self._window_loss.add(
                 loss, self._pending_counts[0], self.loss_reduction, scale=_compat.lightning_loss_divisor(trainer)
             )
-        if not self._stepped or self._totals is None:
+        if not self._stepped or self._closed is None:
             return
-        totals, self._totals = self._totals, None
-        self._publish_step("window", self._micro_batch_size, totals, self._window_loss)
-        report = self.last_step_report
-        if self._adaptive is not None and report is not None:
-            # The figures are global (summed or averaged over ranks), so every rank's schedule decides alike.
-            self._adaptive.observe(report.items, report.accumulation_steps, trainer.world_size, report.noise)
+        closed, self._closed = self._closed, None
+        self._publish_step("window", self.engine.schedule.micro_batch_size, closed, self._window_loss)
 
     # ----------------------------------------------------------------------------------------------------------
     # checkpointing
     # ----------------------------------------------------------------------------------------------------------
     @override
-    def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "accumulation_steps": self._k, "micro_batch_size": self._micro_batch_size}
-        if callable(getattr(self._active_schedule, "state_dict", None)):
-            state["schedule"] = self._active_schedule.state_dict()  # e.g. the noise-scale estimate
-        return state
-
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._k = int(state_dict.get("accumulation_steps", 1))
-        self._k_known = "accumulation_steps" in state_dict
-        self._micro_batch_size = int(state_dict.get("micro_batch_size", 0))
         self._new_window = True
-        if "schedule" in state_dict and callable(getattr(self._active_schedule, "load_state_dict", None)):
-            self._active_schedule.load_state_dict(state_dict["schedule"])
