@@ -1,21 +1,26 @@
-"""The arithmetic behind `lightning_accum.AccumulationMonitor`: unit conversion, rates and the metric row.
+"""The arithmetic behind `lightning_accum.AccumulationMonitor`: unit conversion, rates, the metric row and the totals.
 
 Pure: no Trainer, no logger. The callback gathers raw counts (samples, items, bytes, seconds) and this
-module turns them into the contract keys of `lightning_accum.keys`, so every figure can be checked by hand.
+module turns them into the contract keys of `lightning_accum.keys`, so every figure can be checked by hand. It also
+keeps what the monitor adds up between logging steps and over a fit (`IntervalTotals`, `LightningWindows`,
+`FitSummary`, `TrainingClock`, `RankMemory`); `lightning_accum.monitor_metrics` builds what is logged from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_accum import keys
+from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.budget import GIB
 from lightning_accum.report import AccumulationEvent, EventKind, LossSum, StepReport
 
@@ -238,6 +243,27 @@ class WeightedMean(Metric):
         return self.total / self.weight
 
 
+def window_loss(mean: WeightedMean, loss: LossSum) -> float:
+    """The item-weighted mean of ``loss`` over all ranks (``nan`` when no rank saw a loss); resets ``mean``.
+
+    Every rank must call it, also with nothing, so that ``compute()`` syncs the same way on all of them. It reads the
+    result back to the host, so it also waits for the device.
+
+    Examples:
+        >>> total = LossSum()
+        >>> total.add(torch.tensor(2.0), n_items=3, loss_reduction="mean")
+        >>> window_loss(WeightedMean(), total)
+        2.0
+    """
+    device = mean.device
+    weight = torch.as_tensor(loss.items, dtype=torch.float32, device=device)
+    total = torch.as_tensor(loss.total, dtype=torch.float32).to(device)
+    mean.update(torch.where(weight > 0, total / weight.clamp(min=1e-30), torch.zeros_like(total)), weight)
+    value = float(mean.compute())
+    mean.reset()
+    return value
+
+
 class IntervalTotals:
     """What the steps of one logging interval add up to, from their `lightning_accum.report.StepReport`.
 
@@ -290,8 +316,9 @@ class LightningWindows:
         (6, 2, 2.0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, global_step: int = 0) -> None:
         self.consumed_samples = 0
+        self._global_step = global_step  # the Trainer's, when the last window stepped
         self._start()
 
     def _start(self) -> None:
@@ -308,6 +335,30 @@ class LightningWindows:
         self._micro_batches += 1
         if mean_loss is not None:
             self._loss.add(mean_loss, n_samples, "mean")
+
+    def step_report(self, n_samples: int, outputs: Any, loss_divisor: float, global_step: int) -> StepReport | None:
+        """Count a micro-batch; the window's report if the Trainer's ``global_step`` moved on, else ``None``.
+
+        Args:
+            n_samples: the micro-batch's samples.
+            outputs: what ``training_step`` returned: the loss, a dict with a ``"loss"``, or ``None`` (skipped).
+            loss_divisor: what Lightning divided that loss by (``accumulate_grad_batches``), multiplied back.
+            global_step: the Trainer's optimizer steps so far.
+
+        Examples:
+            >>> windows = LightningWindows(global_step=0)
+            >>> windows.step_report(4, {"loss": torch.tensor(0.5)}, 2, global_step=0) is None  # inside the window
+            True
+            >>> report = windows.step_report(4, torch.tensor(1.5), 2, global_step=1)
+            >>> report.effective_batch_size, float(report.loss_sum) / report.loss_items
+            (8, 2.0)
+        """
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.add_micro_batch(n_samples, loss.detach() * loss_divisor if isinstance(loss, Tensor) else None)
+        if global_step == self._global_step:
+            return None
+        self._global_step = global_step
+        return self.finish()
 
     def finish(self) -> StepReport:
         """The report of the window that just stepped, starting the next; its counts are this rank's only.
@@ -380,6 +431,23 @@ class FitSummary:
         self.peak_fraction = fraction if self.peak_fraction is None else max(self.peak_fraction, fraction)
         self.memory_limit = memory_limit
 
+    def add_peak_bytes(self, peak_bytes: int, budget_bytes: float | None, capacity_bytes: int) -> float | None:
+        """Count a peak against the budget (the capacity without one); returns that fraction, ``None`` if unknown.
+
+        Examples:
+            >>> summary = FitSummary()
+            >>> summary.add_peak_bytes(3 * GIB, None, 4 * GIB), summary.memory_limit
+            (0.75, 'capacity')
+            >>> summary.add_peak_bytes(1, None, 0) is None  # no capacity known: nothing to divide by
+            True
+        """
+        limit = budget_bytes if budget_bytes is not None else capacity_bytes
+        if limit <= 0:
+            return None
+        fraction = peak_bytes / limit
+        self.add_peak(fraction, "budget" if budget_bytes is not None else "capacity")
+        return fraction
+
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
         size = report.micro_batch_size
@@ -435,3 +503,119 @@ class FitSummary:
         if self.seconds > 0:
             parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
         return "; ".join(parts) + "."
+
+
+class TrainingClock:
+    """Wall time of training with validation left out: since the start of ``fit``, and since the last logging step.
+
+    Args:
+        now: the clock to read, in seconds (`time.perf_counter` by default; a test passes its own).
+
+    Examples:
+        >>> ticks = iter([0.0, 3.0, 5.0, 9.0, 10.0])
+        >>> clock = TrainingClock(now=lambda: next(ticks))  # starts at 0
+        >>> clock.pause(); clock.resume()  # a validation from 3 s to 5 s
+        >>> clock.interval_seconds(), clock.train_seconds()  # read at 9 s and at 10 s
+        (7.0, 8.0)
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self._now = now
+        self._paused_at: float | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start counting a new ``fit``."""
+        self._fit_start = self._interval_start = self._now()
+        self._interval_paused = self._fit_paused = 0.0
+
+    def new_interval(self) -> None:
+        """Start counting a new logging interval."""
+        self._interval_paused = 0.0
+        self._interval_start = self._now()
+
+    def pause(self) -> None:
+        """Validation starts: what follows is not training."""
+        self._paused_at = self._now()
+
+    def resume(self) -> None:
+        """Validation ended (nothing happens without a `pause` before)."""
+        if self._paused_at is not None:
+            seconds = self._now() - self._paused_at
+            self._interval_paused += seconds
+            self._fit_paused += seconds
+            self._paused_at = None
+
+    def interval_seconds(self) -> float:
+        """Training seconds since the last logging step (or the start)."""
+        return self._now() - self._interval_start - self._interval_paused
+
+    def train_seconds(self) -> float:
+        """Training seconds since the start of ``fit``."""
+        return self._now() - self._fit_start - self._fit_paused
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """A logging interval's memory figures, each the maximum over ranks."""
+
+    peak_bytes: int
+    peak_reserved_bytes: int | None  # CUDA only
+    capacity_bytes: int
+
+
+class RankMemory:
+    """This rank's memory backend, read at logging steps; the figures of all ranks through the collectives passed in.
+
+    Args:
+        backend: the device's `lightning_accum.memory.backends.MemoryBackend`; its capacity is read once, here (on CPU
+            that walks the cgroup files).
+
+    Examples:
+        >>> from lightning_accum.memory.backends import CPUBackend
+        >>> memory = RankMemory(CPUBackend(capacity_bytes=8 * GIB))
+        >>> reading = memory.read(owner_peak=0, max_across=lambda local: local)  # one process: this rank's figures
+        >>> to_gib(reading.capacity_bytes), reading.peak_reserved_bytes, reading.peak_bytes == memory.last_peak > 0
+        (8.0, None, True)
+    """
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        self.backend = backend
+        self.capacity_bytes = backend.capacity_bytes()
+        self.last_peak = 0  # this rank's, at the last read
+
+    def read(self, owner_peak: int, max_across: Callable[[Tensor], Tensor] | None) -> MemoryReading:
+        """The peaks since the last read (or ``owner_peak``, an owner's measurement, when higher); resets the peak.
+
+        ``max_across`` takes the element-wise maximum over ranks (one small all-reduce; every rank calls it); ``None``
+        on a single process.
+        """
+        reserved = self.backend.peak_reserved_bytes()
+        self.last_peak = max(owner_peak, self.backend.peak_bytes())
+        local = torch.tensor(
+            [self.last_peak, -1 if reserved is None else reserved, self.capacity_bytes], dtype=torch.int64
+        )
+        peak, peak_reserved, capacity = (int(v) for v in (max_across(local) if max_across else local).tolist())
+        self.backend.reset_peak()
+        return MemoryReading(peak, None if peak_reserved < 0 else peak_reserved, capacity)
+
+    def rank_metrics(
+        self,
+        max_across: Callable[[Tensor], Tensor] | None,
+        gather: Callable[[Tensor], Tensor] | None,
+        *,
+        allocator: bool,
+    ) -> dict[str, float]:
+        """The allocator's retries (max over ranks, where ``allocator``) and, given ``gather``, each rank's last peak.
+
+        ``gather`` stacks a tensor from every rank (one all-gather of one number each); call it after `read`.
+        """
+        local = torch.tensor([self.backend.alloc_retries(), self.last_peak], dtype=torch.float64)
+        metrics: dict[str, float] = {}
+        if allocator:
+            retries = local[:1].clone()
+            metrics[keys.ALLOC_RETRIES] = float((max_across(retries) if max_across else retries).item())
+        if gather is not None:
+            gathered = gather(local[1:]).reshape(-1).tolist()
+            metrics.update({f"memory/rank{rank}/peak_gib": to_gib(peak) for rank, peak in enumerate(gathered)})
+        return metrics

@@ -86,15 +86,16 @@ class _CharLMClock(_Clocks):
 def _time_noise_hooks(scheduler: AccumulationScheduler, clock: _Clocks) -> None:
     """Add the wall time spent in the estimator's two hooks to ``clock.noise_seconds`` (patched on this instance only).
 
-    ``on_after_backward`` reads the first micro-batch's squared norm; ``_measure_noise`` reads the window's and turns
-    the pair into estimates. Without ``gradient_noise_scale`` both return at once, so their time is the overhead, read
-    inside the run itself and therefore free of the run-to-run noise of a shared machine.
+    ``on_after_backward`` reads the first micro-batch's squared norm; the engine's noise meter (`measure`) reads the
+    window's and turns the pair into estimates. Without ``gradient_noise_scale`` both return at once, so their time is
+    the overhead, read inside the run itself and therefore free of the run-to-run noise of a shared machine.
     """
 
     def add(seconds: float) -> None:
         clock.noise_seconds += seconds
 
-    time_methods(scheduler, ["on_after_backward", "_measure_noise"], add)
+    time_methods(scheduler, ["on_after_backward"], add)
+    time_methods(scheduler.engine.noise, ["measure"], add)
 
 
 def _trainer(variant: str, k: int, clock: _Clocks, root: str, count_items: Any = None) -> pl.Trainer:

@@ -291,7 +291,8 @@ def _configured(step: FakeStep) -> list[torch.optim.Optimizer]:
 def _syncing_last(step: FakeStep, k: int) -> Callable[[Any], Any]:
     """A ``prepare`` for `train_step` that turns gradient sync on for the last of ``k`` micro-batches only.
 
-    Split mode holds FSDP2's reduce-scatter back until the last micro-batch of a step (see `lightning_accum._compat`).
+    Split mode holds FSDP2's reduce-scatter back until the last micro-batch of a step (see
+    `lightning_accum._compat.fsdp2`).
     """
     calls = itertools.count()
 

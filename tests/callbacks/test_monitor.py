@@ -868,3 +868,47 @@ def test_a_second_fit_finds_the_step_figures_again(tmp_path):
         trainer = make_trainer(tmp_path, [AccumulationScheduler(2), monitor, seen])
         trainer.fit(RegressionModel(), DataLoader(IndexedDataset(16), batch_size=4))
         assert [metrics[keys.EFFECTIVE_BATCH_SIZE] for metrics in seen.by_step] == [8, 8]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the callback is glue over a Trainer-free core (issue 20)
+# ----------------------------------------------------------------------------------------------------------------
+class RecordsReports(pl.Callback):
+    """Put after the monitor: each new step report the accumulation owner published."""
+
+    def __init__(self) -> None:
+        self.reports: list[StepReport] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        owner = next(cb for cb in trainer.callbacks if isinstance(cb, AccumulationOwner))
+        report = owner.last_step_report
+        if report is not None and (not self.reports or report is not self.reports[-1]):
+            self.reports.append(report)
+
+
+def test_the_monitor_logs_what_its_trainer_free_core_makes_of_the_owners_reports(tmp_path):
+    from lightning_accum.engine import Ranks
+    from lightning_accum.monitor_metrics import AccumulationMetrics
+    from lightning_accum.monitoring import every_step_keys
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    recorder = RecordsReports()
+    callbacks = [AccumulationScheduler(2), AccumulationMonitor(logging_interval=3), recorder]
+    trainer = make_trainer(tmp_path, callbacks, logger=csv_logger)
+    trainer.fit(RegressionModel(), DataLoader(IndexedDataset(48), batch_size=4))  # 6 steps, logged at 2 and 5
+    rows = read_csv(csv_logger.log_dir)
+
+    core = AccumulationMetrics()
+    core.setup(torch.device("cpu"))
+    core.start(every_step_keys(has_owner=True, world_size=1, noise_scale=False), has_owner=True)
+    replayed = {}
+    for step, report in enumerate(recorder.reports):
+        assert core.add(report)
+        if (step + 1) % 3 == 0:
+            replayed[step] = core.logging_step(Ranks(), None, allocator=False)
+            core.new_interval()
+    assert sorted(rows) == sorted(replayed) == [2, 5]
+    same = (*keys.BATCH_KEYS, keys.OOM_RETRIES, keys.WINDOW_LOSS, keys.CAPACITY_GIB, BUDGET_FRACTION)
+    for step, row in rows.items():
+        assert {key: row[key] for key in same} == pytest.approx({key: replayed[step][key] for key in same})
+        assert set(row) - {"epoch"} == set(replayed[step])  # the same keys, no more and no fewer

@@ -1,0 +1,28 @@
+"""The Lightning versions whose internals ``lightning_accum._compat`` was written against and is tested on.
+
+The loop patches (``loops.py``) refuse other versions before they touch anything; the other modules name the
+versions they were read against in their docstrings.
+"""
+
+from __future__ import annotations
+
+import lightning
+from lightning_utilities.core.imports import RequirementCache
+
+SUPPORTED_LIGHTNING = ">=2.2,<2.7"
+_LIGHTNING_OK = bool(RequirementCache(f"lightning{SUPPORTED_LIGHTNING}"))
+
+
+def _check_version() -> None:
+    if not _LIGHTNING_OK:
+        raise RuntimeError(
+            f"lightning_accum supports lightning{SUPPORTED_LIGHTNING}, found {lightning.__version__}."
+            " Install a supported version, e.g. `pip install 'lightning>=2.2,<2.7'`."
+        )
+
+
+def _missing(qualname: str, use: str) -> RuntimeError:
+    """The error for a Lightning internal this version lacks: ``qualname`` is what is missing, ``use`` who needs it."""
+    return RuntimeError(
+        f"lightning {lightning.__version__} has no `{qualname}`, which {use}. Use lightning{SUPPORTED_LIGHTNING}."
+    )
