@@ -152,7 +152,17 @@ def split_run(tmp_path: Any, counter: CountTokens) -> tuple[list[Any], list[Any]
     return fit(tmp_path, callback, Sequences(16, seed=1), batch_size=8, split_mode=True)
 
 
-RUNS = {"window": window_run, "split": split_run}
+def token_run(tmp_path: Any, counter: CountTokens) -> tuple[list[Any], list[Any], list[str]]:
+    # Split by tokens: step batches of 8, sorted by length, cut at 24 padded tokens, each trimmed to its longest.
+    from lightning_accum.sequences import PaddedSequences
+
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(), micro_batch_tokens=24, pin_micro_batch_size=True, count_items=counter
+    )
+    return fit(tmp_path, callback, Sequences(16, seed=1), batch_size=8, split_mode=True)
+
+
+RUNS = {"window": window_run, "split": split_run, "tokens": token_run}
 
 
 @pytest.mark.parametrize("mode", list(RUNS))
@@ -167,7 +177,7 @@ def test_counting_every_label_is_wrong_for_a_model_that_shifts_and_warns_once(tm
 @pytest.mark.parametrize("mode", list(RUNS))
 def test_shift_1_counts_what_the_model_averages_over_and_is_exact(tmp_path, mode):
     grads, expected, warned = RUNS[mode](tmp_path, CountTokens("labels", shift=1))
-    assert len(grads) == (3 if mode == "window" else 2)
+    assert len(grads) == (3 if mode == "window" else 2)  # split and tokens: 2 step batches
     h.assert_grads_close(grads, expected, **h.FP32)
     assert warned == []
 
