@@ -60,6 +60,10 @@ STEP_BATCH = 8  # samples per step batch in split mode: 4 optimizer steps per ep
 # ---------------------------------------------------------------------------------------------------------------------
 # the module every front end trains, and what it records at each optimizer step
 # ---------------------------------------------------------------------------------------------------------------------
+class Interrupted(Exception):
+    """What `Recorder` raises to stop a fit part-way, as a crash or a KeyboardInterrupt would."""
+
+
 class Recorder(h.TokenModel):
     """`tests.helpers.TokenModel` that records, at each optimizer step, what its front end's engine decided.
 
@@ -77,6 +81,8 @@ class Recorder(h.TokenModel):
         self.micro_batches: list[int] = []  # micro-batches in each step's window, this rank
         self.consumed: list[int] = []  # samples consumed (all ranks) once each step's window closed
         self.lrs: list[float] = []  # the learning rate each step was taken with
+        self.interrupt_after: int | None = None  # micro-batches a fit runs before `Interrupted` stops it
+        self._calls = 0
 
     @property
     def engine(self) -> AccumulationEngine:
@@ -86,7 +92,13 @@ class Recorder(h.TokenModel):
         assert owner is not None
         return owner.engine
 
+    def on_train_start(self) -> None:
+        self._window_indices, self._calls = [], 0  # nothing from a fit that stopped part-way
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        if self.interrupt_after is not None and self._calls == self.interrupt_after:
+            raise Interrupted(f"stopped after {self._calls} micro-batches")
+        self._calls += 1
         loss = super().training_step(batch, batch_idx)
         if self.accumulation is None:
             return loss
@@ -544,27 +556,56 @@ def test_a_checkpoint_without_the_front_ends_state_loads_and_the_run_stays_exact
 # ---------------------------------------------------------------------------------------------------------------------
 # 4. fit twice
 # ---------------------------------------------------------------------------------------------------------------------
+FIRST_FITS: dict[str, tuple[int | None, bool]] = {
+    # name: (micro-batches after which the first fit stops, whether the second fit runs in the same Trainer)
+    "completes": (None, False),
+    # Stops in window mode's third window (k=2), in split mode's second step (4 micro-batches of 2), as a crash or a
+    # KeyboardInterrupt would; the second fit runs in a new Trainer, or again in the one that stopped.
+    "stops mid-window": (5, False),
+    "stops mid-window, same Trainer": (5, True),
+}
+
+
+def planned_in_one_epoch(schedule: StepwiseSchedule, first_step: int) -> list[int]:
+    """The k of each window of an epoch of ``N / MICRO`` micro-batches whose first window is step ``first_step``."""
+    ks, left = [], N // MICRO
+    while left > 0:
+        ks.append(schedule.accumulation_steps(Progress(optimizer_steps=first_step + len(ks))))
+        left -= min(ks[-1], left)
+    return ks
+
+
+@pytest.mark.parametrize("first_fit", FIRST_FITS)
 @pytest.mark.parametrize("front_end", FRONT_ENDS, ids=str)
-def test_one_front_end_fits_twice_and_leaves_nothing_behind(tmp_path, front_end):
-    # A step-keyed schedule starts over with each Trainer's step count; split mode's size carries on growing.
+def test_one_front_end_fits_twice_and_leaves_nothing_behind(tmp_path, front_end, first_fit):
+    stop_after, same_trainer = FIRST_FITS[first_fit]
     built = front_end.build(setting_for(front_end, "step-keyed StepwiseSchedule"))
     model = front_end.module(built)
-    fits = []
-    for fit in range(2):
-        trainer = front_end.trainer(tmp_path / f"fit{fit}", built, max_epochs=1)
+    trainer = None
+    for fit in range(2):  # the same front end and module
+        model.interrupt_after = stop_after if fit == 0 else None
+        if trainer is None or not same_trainer:
+            trainer = front_end.trainer(tmp_path / f"fit{fit}", built, max_epochs=1)
         before = trainer_as_left(trainer, model)
-        start, done = copy.deepcopy(model), len(model.planned)
-        trainer.fit(model, front_end.loader())
+        start, done, first_step = copy.deepcopy(model), len(model.planned), trainer.global_step
+        if model.interrupt_after is None:
+            trainer.fit(model, front_end.loader())
+        else:
+            with pytest.raises(Interrupted, match=r"^stopped after 5 micro-batches$"):
+                trainer.fit(model, front_end.loader())
         assert trainer_as_left(trainer, model) == before
         assert type(trainer) is pl.Trainer and trainer.accumulate_grad_batches == 1
         steps = model.step_indices[done:]
         expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
         h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
-        fits.append((model.planned[done:], model.micro_batches[done:], model.consumed[done:]))
-    assert fits[1][2] == [N + consumed for consumed in fits[0][2]]  # counted on from the first fit
+    # The second fit ran a whole epoch as a first one would, from the Trainer's step count.
+    assert sum(len(indices) for indices in steps) == N
     if front_end.window_mode:
-        assert fits[1][:2] == fits[0][:2]
-    assert built.engine.consumed_samples == 2 * N
+        assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
+        assert model.micro_batches[done:] == windows_of(model.planned[done:])
+    # Only complete windows count their samples, and the count goes on from one fit to the next.
+    assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
+    assert built.engine.consumed_samples == model.consumed[-1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
