@@ -168,13 +168,10 @@ class ManualAccumulation:
 
     def _open_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
         """Start a window at this micro-batch unless it continues the open one (the same fit and epoch)."""
-        if self._position >= 0 and (self._window_optimizer is None or self._window_optimizer() is not optimizer):
-            # A window left open by a fit that stopped part-way (an exception, an interrupt): every fit builds its
-            # optimizers anew. As in window mode, the new fit starts a window, and the abandoned one's gradient goes.
-            for p in _parameters(optimizer):
-                p.grad = None
-            self._position = -1
-        if self._position < 0 or trainer.current_epoch != self._epoch:
+        # A window left open by a fit that stopped part-way (an exception, an interrupt) is not continued: every fit
+        # builds its optimizers anew, and Lightning zeroed the gradients when the new fit began.
+        stale = self._window_optimizer is None or self._window_optimizer() is not optimizer
+        if self._position < 0 or stale or trainer.current_epoch != self._epoch:
             self._start_window(trainer, optimizer, n_samples)
 
     def _start_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:

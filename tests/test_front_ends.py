@@ -198,7 +198,30 @@ class FrontEnd:
         return Run(front_end, trainer, model)
 
     def loader(self) -> DataLoader:
-        return DataLoader(h.TokenDataset(N), batch_size=self.batch_size)
+        return ResumableLoader(h.TokenDataset(N), batch_size=self.batch_size)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose state says how many batches of the epoch the loop took, so a run resumes mid-epoch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._taken, self._skip = 0, 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._taken = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self._taken += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        # Lightning fetches no batch ahead from a loader of known length; after the epoch's last, the next starts anew.
+        return {"taken": self._taken % len(self)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["taken"]
 
 
 class Returns:
@@ -351,11 +374,11 @@ def test_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
 EPOCHS = 3
 SCHEDULES: dict[str, tuple[Callable[[], Any], list[int] | None]] = {
     # name: (the schedule, the k of every window of a 3-epoch run of 16 micro-batches per epoch; None: measured)
-    # k=2 for 3 steps (6 micro-batches), then k=3 mid-epoch 0 (3, 3, 3 and the epoch's last micro-batch), k=3 for
-    # steps 7 and 8 of epoch 1, k=4 from step 9 on (mid-epoch 1: 4, 4, and 2 left), then 4 windows of 4 in epoch 2.
+    # k=2 for 3 steps (6 micro-batches), then k=3 mid-epoch 0 (3, 3, 3 and the epoch's last micro-batch); k=4 from
+    # step 7, epoch 1's first window; k=5 from step 9, mid-epoch 1 (5, and 3 left), then 5, 5, 5, 1 in epoch 2.
     "step-keyed StepwiseSchedule": (
-        lambda: StepwiseSchedule({0: 2, 3: 3, 9: 4}, unit="step"),
-        [2, 2, 2, 3, 3, 3, 3] + [3, 3, 4, 4, 4] + [4] * 4,
+        lambda: StepwiseSchedule({0: 2, 3: 3, 7: 4, 9: 5}, unit="step"),
+        [2, 2, 2, 3, 3, 3, 3] + [4, 4, 5, 5] + [5] * 4,
     ),
     # The global batch is 4, 8, 12 and 16 samples from 0, 21.3, 42.7 and 64 consumed samples: k = global / 2.
     # Epoch 0: six windows of 2 (24 samples), one of 4; epoch 1 starts at 32: 4, 4, then 6 from 48 and 6 (2 left)
@@ -436,17 +459,29 @@ def test_both_window_mode_front_ends_follow_a_schedule_alike(schedule_runs, sche
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. the state through a real checkpoint
 # ---------------------------------------------------------------------------------------------------------------------
-class SaveAtEpochEnd(pl.Callback):
-    """``trainer.save_checkpoint`` at the end of epoch ``epoch``, in the middle of a longer run."""
+class SaveMidRun(pl.Callback):
+    """``trainer.save_checkpoint`` in the middle of a run: at the end of epoch 0, or after epoch 1's second step."""
 
-    def __init__(self, path: Path, epoch: int = 0) -> None:
-        self.path, self.epoch = path, epoch
+    def __init__(self, path: Path, where: str) -> None:
+        self.path, self.where = path, where
         self.steps = -1  # optimizer steps taken when it saved
+        self._steps_before_epoch = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._steps_before_epoch = trainer.global_step
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch == self.epoch:
-            trainer.save_checkpoint(self.path)
-            self.steps = trainer.global_step
+        if self.where == "epoch end" and trainer.current_epoch == 0:
+            self._save(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stepped_in_epoch = trainer.global_step - self._steps_before_epoch
+        if self.where == "mid-epoch" and trainer.current_epoch == 1 and stepped_in_epoch == 2 and self.steps < 0:
+            self._save(trainer)  # right after the window of step 2 closed: the next micro-batch opens one
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        trainer.save_checkpoint(self.path)
+        self.steps = trainer.global_step
 
 
 def setting_for(front_end: FrontEnd, name: str) -> Any:
@@ -506,9 +541,12 @@ LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("where", ["epoch end", "mid-epoch"])
 @pytest.mark.parametrize(("front_end", "setting"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
-def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(tmp_path, front_end, setting, layout):
-    save = SaveAtEpochEnd(tmp_path / "epoch0.ckpt")
+def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
+    tmp_path, front_end, setting, where, layout
+):
+    save = SaveMidRun(tmp_path / "mid.ckpt", where)
     full = front_end.run(tmp_path / "full", front_end.build(setting_for(front_end, setting)), save, epochs=EPOCHS)
     ckpt = rewrite_state(save.path, tmp_path / "resume.ckpt", full.front_end, LAYOUTS[layout])
     fresh = front_end.build(setting_for(front_end, setting))
@@ -516,10 +554,8 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(tmp_
 
     done = save.steps
     assert 0 < done < len(full.model.planned)
-    if front_end.window_mode:
-        assert len(set(full.model.planned[done:])) > 1, "k must change after the checkpoint for this test to bite"
-    else:
-        assert len(set(full.model.micro_batches[done:])) > 1, "the size must change after the checkpoint"
+    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
+    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
     for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
         assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
     assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
@@ -537,7 +573,7 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(tmp_
 @pytest.mark.parametrize(("front_end", "setting"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
 def test_a_checkpoint_without_the_front_ends_state_loads_and_the_run_stays_exact(tmp_path, front_end, setting):
     # A checkpoint from before the front end was added (or from before its state was saved): it starts over.
-    save = SaveAtEpochEnd(tmp_path / "epoch0.ckpt")
+    save = SaveMidRun(tmp_path / "mid.ckpt", "mid-epoch")
     full = front_end.run(tmp_path / "full", front_end.build(setting_for(front_end, setting)), save, epochs=EPOCHS)
     ckpt = rewrite_state(save.path, tmp_path / "empty.ckpt", full.front_end, lambda state: None)
     fresh = front_end.build(setting_for(front_end, setting))
