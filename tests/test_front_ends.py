@@ -10,15 +10,19 @@ and runs a fit; the same checks then run over every front end they apply to:
    schedule whose ``accumulation_steps`` returns 0, 2.5 or True), and the Trainer is left as it was. Split mode has
    no schedule (its ``k`` follows from memory), so its validation of k is the validation of the micro-batch size it
    starts from: ``micro_batch_size=0`` or ``"big"`` raise the planner settings' error.
-2. **Schedules** (window mode only, for the same reason): a step-keyed `StepwiseSchedule` with a change mid-epoch, a
-   sample-keyed `BatchSizeRamp` and `AdaptiveBatchSize` give the same k at every step, the same ``schedule_change``
-   events and the same gradients in both window-mode front ends, each equal to a single-process full-window reference.
-3. **State round trip through a real checkpoint** (all three): ``trainer.save_checkpoint`` mid-run, then a fresh
-   Trainer and a fresh front end resume with ``ckpt_path=`` and continue exactly as the uninterrupted run (k, consumed
-   samples, gradients, the noise-scale estimate); `ManualAccumulation` through the module hooks its docs describe.
-   A version-1 state (the layout before the engine) continues alike, and an empty one loads and stays exact.
-4. **Fit twice** (all three): the same front-end object in two Trainers, one after the other; both fits are exact and
-   each leaves the Trainer, its loops, its strategy and the module as they were.
+2. **Schedules** (window mode only, for the same reason): a step-keyed `StepwiseSchedule` and a sample-keyed
+   `BatchSizeRamp`, whose changes land mid-epoch, and `AdaptiveBatchSize` give the same k at every step (for the fixed
+   ones, the k their arithmetic gives), the same ``schedule_change`` events, the same learning rates and the same
+   gradients in both window-mode front ends, each equal to a single-process full-window reference.
+3. **State round trip through a real checkpoint** (all three): ``trainer.save_checkpoint`` mid-run (at an epoch's end,
+   and mid-epoch with a loader Lightning can resume), then a fresh Trainer and a fresh front end resume with
+   ``ckpt_path=`` and continue exactly as the uninterrupted run (k, consumed samples, learning rates, gradients, the
+   final state and, for `AdaptiveBatchSize`, the noise-scale estimate); `ManualAccumulation` through the module hooks
+   its docs describe. A version-1 state (the layout before the engine) continues alike, and a checkpoint without the
+   front end's state loads and stays exact.
+4. **Fit twice** (all three): the same front-end object and module in two fits, after a first fit that completes or
+   that stops part-way (in a new Trainer, or the same one); both fits are exact and each leaves the Trainer, its
+   loops, its strategy and the module as they were.
 5. **DDP agreement** (all three, 2 gloo ranks): in window mode, ranks whose first micro-batches hold 4 and 2 samples
    still agree on k for a sample-keyed schedule (the engine agrees the micro-batch size with a max over ranks); in
    split mode, ranks whose step batches hold 8 and 4 samples run 2 and 1 micro-batches. Either way both ranks get the
@@ -153,9 +157,8 @@ class FrontEnd:
     name = ""
     window_mode = True  # False: split mode, where k follows from memory and there is no schedule
     batch_size = MICRO  # what the dataloader yields: micro-batches, or whole step batches in split mode
-    bad_settings: ClassVar[
-        dict[str, tuple[Any, int | None]]
-    ]  # id: (setting, windows before it is refused; None: at init)
+    # id: (setting, windows that run before it is refused; None: refused at construction)
+    bad_settings: ClassVar[dict[str, tuple[Any, int | None]]]
 
     def __repr__(self) -> str:
         return self.name
@@ -256,6 +259,8 @@ BAD_MICRO_BATCH_SIZES: dict[str, tuple[Any, int | None]] = {
 
 
 class WindowFrontEnd(FrontEnd):
+    """The front ends that follow a schedule for ``k``."""
+
     bad_settings = BAD_SCHEDULES
 
     def core_error(self, setting: Any, windows: int | None) -> Exception:
@@ -269,6 +274,8 @@ class WindowFrontEnd(FrontEnd):
 
 
 class Scheduler(WindowFrontEnd):
+    """Window mode: a callback of the Trainer; Lightning's loop runs the micro-batches."""
+
     name = "AccumulationScheduler"
 
     def build(self, setting: Any) -> AccumulationScheduler:
@@ -276,6 +283,8 @@ class Scheduler(WindowFrontEnd):
 
 
 class Manual(WindowFrontEnd):
+    """Manual optimization: the LightningModule holds the helper and calls its ``backward`` (see `Recorder`)."""
+
     name = "ManualAccumulation"
 
     def build(self, setting: Any) -> ManualAccumulation:
@@ -289,6 +298,8 @@ class Manual(WindowFrontEnd):
 
 
 class Split(FrontEnd):
+    """Split mode: a callback that cuts each step batch into micro-batches whose size follows memory."""
+
     name = "AutoMicroBatching"
     window_mode = False
     batch_size = STEP_BATCH
