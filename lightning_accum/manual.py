@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +89,7 @@ class ManualAccumulation:
         self.events: list[AccumulationEvent] = []  # every change of k
         self._position = -1  # -1: no window open
         self._epoch = -1
+        self._window_optimizer: weakref.ref[Optimizer] | None = None  # what the open window accumulates for
         self._hooks_resolved = False
         if self.engine.schedule.adaptive is not None:
             self.engine.noise.request()  # k follows the measured noise scale
@@ -134,13 +136,12 @@ class ManualAccumulation:
             ValueError: the module has several optimizers and ``optimizer`` is not given, or the schedule returned
                 something other than an int >= 1.
         """
-        trainer, engine = module.trainer, self.engine
+        trainer, engine, optimizer = module.trainer, self.engine, _optimizer_of(module, optimizer)
         if not self._hooks_resolved:
             engine.resolve_hooks(module)  # the module's `batch_size_of` method, if it has one
             self._hooks_resolved = True
         n_items, n_samples = engine.count(batch)
-        if self._position < 0 or trainer.current_epoch != self._epoch:
-            self._start_window(trainer, _optimizer_of(module, optimizer), n_samples)
+        self._open_window(trainer, optimizer, n_samples)
         weight = engine.add(n_items, n_samples)
         window_complete = self._position >= engine.schedule.k - 1 or _compat.is_last_training_batch(trainer)
         with contextlib.ExitStack() as no_sync:
@@ -155,22 +156,28 @@ class ManualAccumulation:
         if not window_complete:
             if self._position == 0 and engine.wants_noise(self.optimizer_steps):
                 # The window's first micro-batch, not yet synced: the noise scale's small batch.
-                params = _parameters(_optimizer_of(module, optimizer))
-                gradients = _compat.unsynced_gradients(module, params)
+                gradients = _compat.unsynced_gradients(module, _parameters(optimizer))
                 engine.capture_first_gradient(self.optimizer_steps, gradients, _compat.gradient_scale(trainer))
             self._position += 1
             return False
-        closed = engine.close_window(
-            self.optimizer_steps, _parameters(_optimizer_of(module, optimizer)), ranks_of(trainer)
-        )
+        closed = engine.close_window(self.optimizer_steps, _parameters(optimizer), ranks_of(trainer))
         self.last_window, self.last_noise = closed.totals, closed.noise
         self.optimizer_steps += 1
-        self._position = -1
+        self._position, self._window_optimizer = -1, None
         return True
+
+    def _open_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
+        """Start a window at this micro-batch unless it continues the open one (the same fit and epoch)."""
+        # A window left open by a fit that stopped part-way (an exception, an interrupt) is not continued: every fit
+        # builds its optimizers anew, and Lightning zeroed the gradients when the new fit began.
+        stale = self._window_optimizer is None or self._window_optimizer() is not optimizer
+        if self._position < 0 or stale or trainer.current_epoch != self._epoch:
+            self._start_window(trainer, optimizer, n_samples)
 
     def _start_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
         self._epoch = trainer.current_epoch
         self._position = 0
+        self._window_optimizer = weakref.ref(optimizer)
         plan = self.engine.plan_window(
             epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=ranks_of(trainer)
         )
@@ -188,6 +195,10 @@ class ManualAccumulation:
         self.engine.load_state_dict(state)
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         self._position = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An open window belongs to this process's fit (and a weak reference can't be pickled, e.g. by `ddp_spawn`).
+        return {**self.__dict__, "_position": -1, "_window_optimizer": None}
 
 
 def _optimizer_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> Optimizer:

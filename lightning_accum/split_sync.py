@@ -120,7 +120,10 @@ class DDPOverlap(SyncPolicy):
     )
 
     def step(self) -> contextlib.AbstractContextManager[None]:
+        # DDP's two collectives that a forward may issue (the buffer broadcast, the one-time rebuild of its gradient
+        # buckets after the first synced step), on every rank here, before anything can fail.
         _compat.broadcast_ddp_buffers(self.strategy)
+        _compat.rebuild_ddp_buckets(self.strategy)
         return contextlib.nullcontext()
 
     def hold_back(self) -> contextlib.AbstractContextManager[None]:

@@ -180,11 +180,18 @@ def replay_reference(
     loss_fn: Callable[[nn.Module, Any], Tensor],
     lr: float,
     clip_norm: float | None = None,
+    lrs: Sequence[float] | None = None,
 ) -> list[dict[str, Tensor]]:
-    """Exact gradients along the run: at each step, one pass over the step's samples, then plain SGD."""
+    """Exact gradients along the run: at each step, one pass over the step's samples, then plain SGD.
+
+    ``lrs`` gives each step's learning rate where it changes during the run (a schedule that scales it with ``k``);
+    otherwise every step uses ``lr``.
+    """
     ref = copy.deepcopy(initial)
     grads = []
-    for indices in step_indices:
+    for step, indices in enumerate(step_indices):
+        if lrs is not None:
+            lr = lrs[step]
         window = [dataset[i] for i in indices]
         batch = {k: torch.stack([s[k] for s in window]) for k in window[0]}
         expected = reference_grads(ref, [batch], loss_fn)

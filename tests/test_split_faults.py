@@ -419,3 +419,25 @@ def test_overlap_with_buffers_recovers_ooms_before_and_inside_the_first_forward(
     assert ranks[0]["sizes"] == ranks[1]["sizes"]
     assert [r["optimizer_steps"] for r in ranks] == [5, 5]
     assert [r["allreduces"] for r in ranks] == [5, 5]
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+def test_overlap_recovers_an_oom_before_the_first_forward_of_the_step_after_the_first_sync(tmp_path):
+    # DDP rebuilds its gradient buckets once, in the first forward after the first synced backward (step 1's), and
+    # the rebuild broadcasts the bucket order from rank 0. An OOM on rank 1 before that forward left rank 0 alone in
+    # the broadcast while rank 1 waited in the agreement: a hang. The rebuild now happens at the start of the step.
+    model = OverlapModel(overlap_dataset(3), str(tmp_path), error="value_error", step=99)
+    initial = copy.deepcopy(model)
+    injector = OOMInjector(OOMFault(step=1, micro_batch=0, phase="forward", rank=1))
+    callback = AutoMicroBatching(MICRO, count_items=count_tokens, gradient_sync="overlap", fault_injector=injector)
+    start = time.monotonic()
+    fit_overlap(tmp_path, model, callback)
+    assert time.monotonic() - start < 100
+    ranks = load_ranks(tmp_path)
+    assert ranks[1]["fired"] == [(1, 1, 0, "forward")] and [r["oom_retries"] for r in ranks] == [1, 1]
+    assert [r["allreduces"] for r in ranks] == [3, 3]
+    windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
+    expected = replay_reference(initial, overlap_dataset(3), windows, token_loss, lr=0.05)
+    assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+    assert_grads_close(ranks[0]["step_grads"], expected, **FP32)

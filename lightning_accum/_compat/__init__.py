@@ -18,6 +18,7 @@ from lightning_accum._compat.ddp import (
     ddp_process_group,
     prepare_ddp_backward,
     process_group_timeout,
+    rebuild_ddp_buckets,
 )
 from lightning_accum._compat.fsdp2 import (
     block_fsdp2_backward_sync,
@@ -73,6 +74,7 @@ __all__ = [
     "override_estimated_stepping_batches",
     "prepare_ddp_backward",
     "process_group_timeout",
+    "rebuild_ddp_buckets",
     "report_device",
     "set_callback_metrics",
     "set_progress_bar_metrics",

@@ -56,6 +56,22 @@ def broadcast_ddp_buffers(strategy: Any) -> None:
     model.require_forward_param_sync = False
 
 
+def rebuild_ddp_buckets(strategy: Any) -> None:
+    """Let DDP rebuild its gradient buckets now, at the start of a step, if it is due to: never inside an attempt.
+
+    DDP rebuilds its buckets once, in the first forward after the first iteration that synced
+    (``DistributedDataParallel._pre_forward`` calls ``reducer._rebuild_buckets()``), and the rebuild broadcasts the
+    bucket order from rank 0. In split mode a rank that fails before that forward (an OOM before its first
+    micro-batch) would leave the others alone in the broadcast. Called here on every rank at the same point, before
+    anything can fail, it returns ``False`` in every later forward. Every rank recorded the same synced backward, so
+    every rank rebuilds (and broadcasts) alike, or none does.
+    """
+    model = getattr(strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or getattr(strategy, "world_size", 1) <= 1:
+        return
+    model.reducer._rebuild_buckets()
+
+
 def ddp_process_group(strategy: Any) -> Any:
     """The process group DDP reduces gradients over (the default group when the strategy doesn't say)."""
     return getattr(getattr(strategy, "model", None), "process_group", None)
