@@ -148,9 +148,15 @@ class SplitStepRunner:
         longest = self.cut.longest if self.cut is not None else 0
         local = [self.backend.peak_bytes(), alloc_retries, self.size, self.step_size, longest, self.largest_samples]
         # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
-        figures = StepFigures(
-            *map(int, max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64)).tolist())
-        )
+        try:
+            agreed = max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64))
+        except Exception as err:
+            raise _AgreementFailed(
+                f"The ranks' agreement on this step's attempt (step {self.trainer.global_step}, its figures after the"
+                f" optimizer step) failed: {describe_error(err)}. Another rank most likely stopped (its process"
+                " exited or crashed) while this one waited for it; that rank's traceback says why."
+            ) from err
+        figures = StepFigures(*map(int, agreed.tolist()))
         if isinstance(self.planner.unit, Tokens):
             self.planner.unit.set_longest(figures.longest)
         self.planner.set_step_batch_size(figures.step_size)
