@@ -49,6 +49,7 @@ def probe_memory(
     seed: int = 0,
     target: str | None = None,
     precision: str | int = "32-true",
+    headroom: float | None = None,
 ) -> ProbeResult:
     """Measure peak memory of training steps over a grid of ``(b, k)`` and answer the memory question.
 
@@ -73,10 +74,11 @@ def probe_memory(
         seed: the seed set before building each model.
         target: with ``device="meta"``, the device to predict for, ``"cpu"`` (default) or ``"cuda"``.
         precision: as ``Trainer(precision=...)``: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...
+        headroom: the share of ``budget_bytes`` kept free for what the steps can't show (default: `check_headroom`).
 
     Raises:
         TypeError: an argument has the wrong type, init args do not fit, or the module lacks ``training_step``.
-        ValueError: a bad ``k``, size, target or precision, no optimizer, or no loss returned.
+        ValueError: a bad ``k``, size, target, precision or headroom, no optimizer, or no loss returned.
         RuntimeError: the module uses manual optimization, or the device is not available.
         ImportError: an import path names no module or attribute.
     """
@@ -84,11 +86,12 @@ def probe_memory(
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
     ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
     where = _Where.of(device, target, precision)
+    kept = check_headroom(headroom, where)
     make_module = module_factory(module, module_init_args)
     _check_module(where.throwaway(make_module))  # so that a wrong module fails before any measuring
     make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
     runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed) for b, k in configs]
-    return _fit(_result(batch_size, ks, runs, where, budget_bytes))
+    return _fit(_result(batch_size, ks, runs, where, budget_bytes, kept))
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
@@ -129,6 +132,24 @@ def _configurations(
     for b, k in grid:
         configs.append((check_int(b, "grid micro-batch size", 1), check_int(k, "grid accumulation steps", 1)))
     return list(dict.fromkeys(configs))  # drop repeats, keep order
+
+
+def check_headroom(headroom: float | None, where: _Where) -> float:
+    """``headroom`` checked, or its default: `CUDA_HEADROOM` for a CUDA prediction, else 0 (a measurement sees all).
+
+    Raises:
+        TypeError: ``headroom`` is not a number.
+        ValueError: ``headroom`` is not in ``[0, 1)``.
+    """
+    if headroom is None:
+        return CUDA_HEADROOM if where.target == "cuda" else 0.0
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise TypeError(f"`headroom` must be a fraction in [0, 1), got {headroom!r} of type {type(headroom).__name__}.")
+    if not 0 <= headroom < 1:
+        raise ValueError(
+            f"`headroom` must be a fraction in [0, 1) of the budget kept free, got {headroom!r}. Pass e.g. 0.05."
+        )
+    return float(headroom)
 
 
 @dataclass(frozen=True)
@@ -174,12 +195,13 @@ def _result(
     runs: list[tuple[ProbeMeasurement, int, int]],
     where: _Where,
     budget_bytes: float | None,
+    headroom: float,
 ) -> ProbeResult:
     _, param_bytes, grad_bytes = runs[-1]  # the same for every configuration
     measurements = [m for m, _, _ in runs]
     result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
     result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
-    result.headroom = CUDA_HEADROOM if where.target == "cuda" else 0.0
+    result.headroom = headroom
     return result
 
 

@@ -140,7 +140,11 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
             "For CUDA: counted in the caching allocator's 512-byte blocks, with CUDA's foreach optimizer; attention "
             "runs the CPU's flash kernel, which keeps what CUDA's fused kernels keep. Not seen: the CUDA context, "
             "cuBLAS workspaces, NCCL buffers, fragmentation, a math-path attention fallback and CUDA's own autocast "
-            f"op lists; {result.headroom:.0%} of a budget is kept free for them."
+            + (
+                f"op lists; {result.headroom:.0%} of a budget is kept free for them."
+                if result.headroom
+                else "op lists; none of the budget is kept free for them (headroom 0): count them in the budget."
+            )
         )
     return lines
 
