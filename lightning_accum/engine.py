@@ -169,6 +169,29 @@ class ScheduleDriver:
             self._stateful.load_state_dict(state["schedule"])
 
 
+class HoldsEngine:
+    """The engine's figures under the names the front ends have always shown them by (read-only views)."""
+
+    engine: AccumulationEngine
+
+    @property
+    def count_items(self) -> ItemCounter | None:
+        return self.engine.count_items
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self.engine.loss_reduction
+
+    @property
+    def normalizer(self) -> WindowNormalizer:
+        return self.engine.normalizer
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed since the start of training, all ranks (restored on resume)."""
+        return self.engine.consumed_samples
+
+
 @dataclass(frozen=True)
 class ClosedWindow:
     """What `AccumulationEngine.close_window` found: the window's global totals and its noise-scale estimates."""

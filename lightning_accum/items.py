@@ -107,7 +107,7 @@ class CountTokens:
         self._shift_checked = shift is not None
 
     def __call__(self, batch: Any) -> Tensor:
-        labels = _lookup(batch, self.key)
+        labels = lookup(batch, self.key, f"CountTokens(key={self.key!r})", "labels")
         if not isinstance(labels, Tensor):
             raise TypeError(
                 f"`CountTokens(key={self.key!r})` expects a tensor of labels at batch[{self.key!r}], got"
@@ -222,18 +222,25 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
     )
 
 
-def _lookup(batch: Any, key: str | int) -> Any:
+def lookup(batch: Any, key: str | int, who: str, what: str) -> Any:
+    """``batch[key]`` for a mapping, a tuple (an int key) or an attribute (a str key) of a batch object.
+
+    ``who`` names the argument in the errors (e.g. ``"CountTokens(key='labels')"``), ``what`` the thing looked for.
+
+    Raises:
+        KeyError: the batch has nothing under ``key``; the message names ``who`` and shows what the batch has.
+    """
     if isinstance(batch, Mapping):
         if key not in batch:
-            raise KeyError(f"`CountTokens(key={key!r})`: the batch has no {key!r}; its keys are {list(batch)}.")
+            raise KeyError(f"`{who}`: the batch has no {key!r}; its keys are {list(batch)}.")
         return batch[key]
     if isinstance(key, int) and isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
         if not -len(batch) <= key < len(batch):
-            raise KeyError(f"`CountTokens(key={key})`: the batch is a sequence of length {len(batch)}.")
+            raise KeyError(f"`{who}`: the batch is a sequence of length {len(batch)}.")
         return batch[key]
     if isinstance(key, str) and hasattr(batch, key):
         return getattr(batch, key)
     raise KeyError(
-        f"`CountTokens(key={key!r})` cannot find labels in a batch of type {type(batch).__name__}. Use a str key for"
-        " a dict batch or an attribute, an int key for a tuple batch."
+        f"`{who}` cannot find {what} in a batch of type {type(batch).__name__}. Use a str key for a dict batch or an"
+        " attribute, an int key for a tuple batch."
     )

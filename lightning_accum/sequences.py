@@ -29,7 +29,7 @@ Examples:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_accum._cli_types import ImportPath, PositiveInt
 from lightning_accum._validation import check_int, import_object
+from lightning_accum.items import lookup
 from lightning_accum.splitting import BatchHooks, BatchPlan, MicroBatch, SequenceTrim, resolve_batch_hooks
 
 LengthsFn = Callable[[Any], Any]
@@ -105,7 +106,7 @@ class PaddedSequences:
         """
         if self.lengths_fn is not None:
             return _checked_lengths(self.lengths_fn(batch), self._lengths_given)
-        mask = _lookup(batch, self.mask)
+        mask = self._mask(batch)
         return _mask_lengths(mask, self.mask, self.sequence_dim)
 
     def padded_length(self, batch: Any, plan: BatchPlan, lengths: Tensor) -> int:
@@ -115,7 +116,7 @@ class PaddedSequences:
             ValueError: no per-sample tensor of the batch is as long as its longest sequence along ``sequence_dim``.
         """
         if self.lengths_fn is None:
-            return int(_lookup(batch, self.mask).shape[self.sequence_dim])
+            return int(self._mask(batch).shape[self.sequence_dim])
         longest = int(lengths.max()) if len(lengths) else 0
         sizes = Counter(
             int(node.shape[self.sequence_dim])
@@ -147,6 +148,10 @@ class PaddedSequences:
             )
         ordered, order = torch.sort(lengths, descending=True, stable=True)
         return TokenCut(plan, order.tolist(), ordered.tolist(), padded, self.sequence_dim)
+
+    def _mask(self, batch: Any) -> Any:
+        assert self.mask is not None
+        return lookup(batch, self.mask, f"PaddedSequences(mask={self.mask!r})", "a mask (or pass `lengths=`)")
 
     def __repr__(self) -> str:
         if self.lengths_fn is not None:
@@ -303,21 +308,6 @@ def _resolve_lengths(lengths: Any) -> LengthsFn | None:
             f" {lengths!r} of type {type(lengths).__name__}."
         )
     return target  # type: ignore[no-any-return]  # callable, checked above
-
-
-def _lookup(batch: Any, key: str | int | None) -> Any:
-    if isinstance(batch, Mapping):
-        if key not in batch:
-            raise KeyError(f"`PaddedSequences(mask={key!r})`: the batch has no {key!r}; its keys are {list(batch)}.")
-        return batch[key]
-    if isinstance(key, int) and isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        return batch[key]
-    if isinstance(key, str) and hasattr(batch, key):
-        return getattr(batch, key)
-    raise KeyError(
-        f"`PaddedSequences(mask={key!r})` cannot find a mask in a batch of type {type(batch).__name__}. Use a str key"
-        " for a dict batch or an attribute, an int for a tuple batch, or pass `lengths=`."
-    )
 
 
 def _name(fn: Any) -> str:

@@ -19,16 +19,16 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
-from lightning_accum.engine import AccumulationEngine, ClosedWindow, Ranks
+from lightning_accum.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
 from lightning_accum.noise_scale import NoiseScaleEstimator
-from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer
+from lightning_accum.normalization import ItemCounter, LossReduction
 from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.splitting import BatchHooks
 
 log = logging.getLogger("lightning_accum")
 
 
-class AccumulationOwner(Callback):
+class AccumulationOwner(HoldsEngine, Callback):
     """Base of the callbacks that own gradient accumulation. Not used directly.
 
     It holds the `lightning_accum.engine.AccumulationEngine` (counting, the exactness arithmetic, the schedule, the
@@ -46,24 +46,6 @@ class AccumulationOwner(Callback):
         self.events: list[AccumulationEvent] = []  # every event of the run (they are rare: OOMs, resizes, k changes)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
-
-    # What the engine holds, by the names callers and older tests use.
-    @property
-    def count_items(self) -> ItemCounter | None:
-        return self.engine.count_items
-
-    @property
-    def loss_reduction(self) -> LossReduction:
-        return self.engine.loss_reduction
-
-    @property
-    def normalizer(self) -> WindowNormalizer:
-        return self.engine.normalizer
-
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed since the start of training, all ranks (restored on resume)."""
-        return self.engine.consumed_samples
 
     @property
     def _hooks(self) -> BatchHooks:

@@ -8,6 +8,7 @@ what each step did.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,7 +52,7 @@ from lightning_accum.split_sync import (
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn
 from lightning_accum.step_logs import StepLogCombiner
 
-__all__ = ["AutoMicroBatching", "GradientSync", "overlap_wait_warning", "start_from_preflight"]
+__all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]
 
 
 class AutoMicroBatching(AccumulationOwner):
@@ -294,9 +295,8 @@ class AutoMicroBatching(AccumulationOwner):
             self._size_shrunk = False
         if self._cold:
             self._cold = False
-            self.preflight_result = start_from_preflight(
-                trainer, pl_module, batch, self.planner, self._hooks, self._backend, self.sequences
-            )
+            cold = PreflightStart(trainer, pl_module, batch, self.planner, self._hooks, self._backend, self.sequences)
+            self.preflight_result = cold.run()
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
 
@@ -394,80 +394,82 @@ def _token_figures(budget: int, closed: ClosedWindow) -> tuple[int, float]:
     return budget, (1.0 - real / padded) if padded > 0 else 0.0
 
 
-def start_from_preflight(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    planner: MicroBatchPlanner,
-    hooks: BatchHooks,
-    backend: MemoryBackend,
-    sequences: PaddedSequences | None = None,
-) -> Preflight | None:
-    """Trace the first step on fake tensors and start at the largest size predicted to fit, on every rank alike.
+@dataclass(frozen=True)
+class PreflightStart:
+    """The cold start of an ``"auto"`` run: trace the first step, and start at the largest size predicted to fit.
 
-    Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
-    prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as without a
-    pre-flight. By tokens (``sequences``), the sizes traced and predicted are token budgets. Returns this rank's
-    trace.
+    The trace runs on fake tensors, on every rank alike (`run`). By tokens (``sequences``), the sizes are token
+    budgets.
     """
-    found: Preflight | None = None
-    try:
-        start, why, found = _predicted_start(trainer, pl_module, batch, planner, hooks, backend, sequences)
-    except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
-        start, why = None, f"{type(err).__name__}: {describe_error(err)}"
-    # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
-    local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
-    failed, negative_start = (int(v) for v in max_across_ranks(trainer, local).tolist())
-    if failed:
-        rank_zero_warn(fallback_warning(why if start is None else None))
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    batch: Any
+    planner: MicroBatchPlanner
+    hooks: BatchHooks
+    backend: MemoryBackend
+    sequences: PaddedSequences | None = None
+
+    def run(self) -> Preflight | None:
+        """Start the planner where this rank's and every other rank's traces allow; returns this rank's trace.
+
+        Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
+        prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as
+        without a pre-flight.
+        """
+        found: Preflight | None = None
+        try:
+            start, why, found = self._predicted()
+        except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
+            start, why = None, f"{type(err).__name__}: {describe_error(err)}"
+        # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
+        local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
+        failed, negative_start = (int(v) for v in max_across_ranks(self.trainer, local).tolist())
+        if failed:
+            rank_zero_warn(fallback_warning(why if start is None else None))
+            return found
+        planner = self.planner
+        planner.start_from(-negative_start)
+        assert found is not None
+        small, large = sorted(found.peaks)
+        step_size = self._first_cut()[1]
+        counts = " tokens" if self.sequences is not None else ""
+        log_info(
+            f"lightning_accum: pre-flight traced micro-batches of {small} and {large}{counts} on fake tensors in"
+            f" {found.seconds:.2f} s; starting at {planner.unit.noun} {planner.size_for(step_size)} of {step_size}"
+        )
         return found
-    planner.start_from(-negative_start)
-    assert found is not None
-    small, large = sorted(found.peaks)
-    step_size = _first_cut(batch, hooks, sequences, planner)[1]
-    counts = " tokens" if sequences is not None else ""
-    log_info(
-        f"lightning_accum: pre-flight traced micro-batches of {small} and {large}{counts} on fake tensors in"
-        f" {found.seconds:.2f} s; starting at {planner.unit.noun} {planner.size_for(step_size)} of {step_size}"
-    )
-    return found
 
+    def _first_cut(self) -> tuple[BatchHooks | TokenCut, int]:
+        """How the trace cuts the first step batch, and the batch's size in the planner's unit."""
+        if self.sequences is None:
+            return self.hooks, self.hooks.batch_size(self.batch)
+        cut = self.sequences.cut(self.batch, self.hooks)
+        if isinstance(self.planner.unit, Tokens):
+            self.planner.unit.set_longest(cut.longest)
+        return cut, cut.tokens
 
-def _first_cut(
-    batch: Any, hooks: BatchHooks, sequences: PaddedSequences | None, planner: MicroBatchPlanner
-) -> tuple[BatchHooks | TokenCut, int]:
-    """How the pre-flight cuts the first step batch, and the batch's size in the planner's unit."""
-    if sequences is None:
-        return hooks, hooks.batch_size(batch)
-    cut = sequences.cut(batch, hooks)
-    if isinstance(planner.unit, Tokens):
-        planner.unit.set_longest(cut.longest)
-    return cut, cut.tokens
-
-
-def _predicted_start(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    planner: MicroBatchPlanner,
-    hooks: BatchHooks,
-    backend: MemoryBackend,
-    sequences: PaddedSequences | None,
-) -> tuple[int | None, str, Preflight | None]:
-    """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
-    budget = planner.budget_bytes
-    cutter, step_size = _first_cut(batch, hooks, sequences, planner)
-    small, large = max(1, step_size // 4), max(1, step_size // 2)
-    if small == large or budget is None:
-        return None, f"a step batch of {step_size} {planner.unit.counts} is too small to trace at two sizes", None
-    found = preflight(
-        pl_module, batch, (small, large), optimizers=trainer.optimizers, precision=trainer.precision, hooks=cutter
-    )
-    if found.peak_model is None:
-        return None, str(found.reason), found
-    start = found.starting_micro_batch_size(budget, step_size, backend.current_bytes(), free_bytes(backend))
-    # Predicted not to fit at all: begin where an OOM would end up.
-    return (planner.unit.floor(planner.settings) if start is None else start), "", found
+    def _predicted(self) -> tuple[int | None, str, Preflight | None]:
+        """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
+        planner, trainer, backend = self.planner, self.trainer, self.backend
+        budget = planner.budget_bytes
+        cutter, step_size = self._first_cut()
+        small, large = max(1, step_size // 4), max(1, step_size // 2)
+        if small == large or budget is None:
+            return None, f"a step batch of {step_size} {planner.unit.counts} is too small to trace at two sizes", None
+        found = preflight(
+            self.pl_module,
+            self.batch,
+            (small, large),
+            optimizers=trainer.optimizers,
+            precision=trainer.precision,
+            hooks=cutter,
+        )
+        if found.peak_model is None:
+            return None, str(found.reason), found
+        start = found.starting_micro_batch_size(budget, step_size, backend.current_bytes(), free_bytes(backend))
+        # Predicted not to fit at all: begin where an OOM would end up.
+        return (planner.unit.floor(planner.settings) if start is None else start), "", found
 
 
 def _refuse_what_split_mode_cannot_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -246,40 +246,22 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
     if not isinstance(batch_size, int):
         raise CommandError("`--batch-size` is needed: the data has no int `batch_size` to default to.")
     sequences = _sequences(args)
+    common: dict[str, Any] = {
+        "batch_size": batch_size,
+        "fit_micro_batch_sizes": args.fit_micro_batch_sizes,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "device": device,
+        "target": args.target,
+        "precision": args.precision,
+        "budget_bytes": _budget_bytes(args),
+        "module_init_args": module_init_args,
+        "data_init_args": data_init_args,
+        "headroom": args.headroom,
+    }
     if sequences is not None:
-        return probe_tokens(
-            module,
-            data,
-            batch_size=batch_size,
-            sequences=sequences,
-            sequence_lengths=args.sequence_lengths,
-            fit_micro_batch_sizes=args.fit_micro_batch_sizes,
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            device=device,
-            target=args.target,
-            precision=args.precision,
-            budget_bytes=_budget_bytes(args),
-            module_init_args=module_init_args,
-            data_init_args=data_init_args,
-            headroom=args.headroom,
-        )
-    return probe_memory(
-        module,
-        data,
-        batch_size=batch_size,
-        accumulation_steps=args.accumulation_steps or (2, 4),
-        fit_micro_batch_sizes=args.fit_micro_batch_sizes,
-        steps=args.steps,
-        warmup_steps=args.warmup_steps,
-        device=device,
-        target=args.target,
-        precision=args.precision,
-        budget_bytes=_budget_bytes(args),
-        module_init_args=module_init_args,
-        data_init_args=data_init_args,
-        headroom=args.headroom,
-    )
+        return probe_tokens(module, data, sequences=sequences, sequence_lengths=args.sequence_lengths, **common)
+    return probe_memory(module, data, accumulation_steps=args.accumulation_steps or (2, 4), **common)
 
 
 def _sequences(args: argparse.Namespace) -> PaddedSequences | None:

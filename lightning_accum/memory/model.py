@@ -262,6 +262,16 @@ class SequencePeakModel:
         """Memory per padded token at the current `length` (the planner's per-unit cost), or ``None``."""
         return None if self._fit is None else self._fit[1] + self._fit[2] * self.length
 
+    @property
+    def per_token_bytes(self) -> float | None:
+        """``a``: memory per padded token that does not depend on the length, or ``None`` before a fit."""
+        return None if self._fit is None else self._fit[1]
+
+    @property
+    def per_token_length_bytes(self) -> float | None:
+        """``c``: memory per padded token and position of length (attention's ``T x L`` term), or ``None``."""
+        return None if self._fit is None else self._fit[2]
+
     def predict(self, tokens: int) -> float:
         """Predicted peak of a micro-batch of ``tokens`` padded tokens at the current `length`.
 

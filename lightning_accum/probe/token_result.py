@@ -161,9 +161,12 @@ class TokenProbeResult:
     @property
     def coefficients(self) -> tuple[float, float, float]:
         """``(fixed, a, c)`` of the passes' peak ``fixed + T (a + c L)``: bytes, per token, per token and position."""
-        at_one, at_two = (_per_token_at(self.peak_model, length) for length in (1, 2))
-        c = at_two - at_one
-        return float(self.peak_model.fixed_bytes or 0.0), at_one - c, c
+        model = self.peak_model
+        return (
+            float(model.fixed_bytes or 0.0),
+            float(model.per_token_bytes or 0.0),
+            float(model.per_token_length_bytes or 0.0),
+        )
 
     def passes_bytes(self, tokens: int, length: int) -> float:
         """The passes' fitted peak for micro-batches of ``tokens`` padded tokens of sequences ``length`` long."""
@@ -259,12 +262,3 @@ class TokenProbeResult:
 
     def __repr__(self) -> str:
         return f"TokenProbeResult(B={self.batch_size}, device={self.device!r}, {len(self.measurements)} shapes)"
-
-
-def _per_token_at(model: SequencePeakModel, length: int) -> float:
-    """``a + c L``: the fitted bytes per padded token at ``length`` (``model.length`` is left as it was)."""
-    before, model.length = model.length, length
-    try:
-        return float(model.per_sample_bytes or 0.0)
-    finally:
-        model.length = before
