@@ -198,18 +198,24 @@ class SaveSteps(pl.Callback):
 
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["window", "split"])
+@pytest.mark.parametrize("mode", ["window", "split", "tokens"])
 def test_shift_1_is_exact_under_ddp(tmp_path, mode):
     # Window mode: 7 sequences per rank in micro-batches of 3, k=2 (windows of 2 and 1). Split mode: a step batch of
-    # 8 on each rank, micro-batches of 3. The ranks hold different token counts.
-    split = mode == "split"
+    # 8 on each rank, micro-batches of 3; by tokens, cut at 24 padded tokens, so the ranks' step batches of other
+    # lengths run other numbers of micro-batches. The ranks hold different token counts.
+    from lightning_accum.sequences import PaddedSequences
+
+    split = mode != "window"
     dataset = Sequences(32 if split else 14, seed=2)
     counter = CountTokens("labels", shift=1)
-    callback = (
-        AutoMicroBatching(3, pin_micro_batch_size=True, count_items=counter)
-        if split
-        else AccumulationScheduler(2, count_items=counter)
-    )
+    callbacks = {
+        "window": lambda: AccumulationScheduler(2, count_items=counter),
+        "split": lambda: AutoMicroBatching(3, pin_micro_batch_size=True, count_items=counter),
+        "tokens": lambda: AutoMicroBatching(
+            sequences=PaddedSequences(), micro_batch_tokens=24, pin_micro_batch_size=True, count_items=counter
+        ),
+    }
+    callback = callbacks[mode]()
     model = CausalLM(split_mode=split)
     initial = copy.deepcopy(model)
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
