@@ -33,8 +33,9 @@ from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks
 from lightning_accum.engine import ClosedWindow
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
-from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory, over_capacity_warning
+from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
+from lightning_accum.memory.sizes import format_size
 from lightning_accum.normalization import ItemCounter, LossReduction
 from lightning_accum.planner import MicroBatchPlanner, PlannerSettings
 from lightning_accum.planner_units import Tokens
@@ -245,7 +246,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._cold = self.preflight and planner.predictive and planner.micro_batch_size_setting == "auto"
         self._cold = self._cold and planner.micro_batch_size is None
         log_info(
-            f"lightning_accum: split mode, memory budget {budget / GIB:.2f} GiB of {capacity / GIB:.2f} GiB"
+            f"lightning_accum: split mode, memory budget {format_size(budget)} of {format_size(capacity)}"
             f" ({backend.name})"
         )
 
