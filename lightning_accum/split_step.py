@@ -176,7 +176,7 @@ class SplitStepRunner:
             return Agreement(fault, self.size, self.step_size, longest, None)
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         try:
-            values = [int(v) for v in max_across_ranks(trainer, tensor).tolist()]
+            values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
         except Exception as err:
             raise _AgreementFailed(
                 f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
@@ -323,6 +323,11 @@ class SplitStepRunner:
         self.step_size = self.cut.tokens
         assert isinstance(self.planner.unit, Tokens)
         self.planner.unit.set_longest(self.cut.longest)
+
+
+def agreement_max(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+    """The agreement's one collective: the element-wise maximum over ranks (tests break the agreement here)."""
+    return max_across_ranks(trainer, tensor)
 
 
 def _step_batch_size(context: _compat.SplitStepContext, engine: AccumulationEngine) -> int:
