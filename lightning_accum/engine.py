@@ -102,8 +102,8 @@ class ScheduleDriver:
     def __init__(self, schedule: AccumulationSchedule | None) -> None:
         self.schedule: AccumulationSchedule = schedule or ConstantSchedule(1)
         # Protocol checks cost tens of microseconds: done once here, not at every window.
-        self.adaptive = schedule if isinstance(schedule, AdaptiveSchedule) else None
-        self._stateful = schedule if isinstance(schedule, StatefulSchedule) else None
+        self.adaptive: AdaptiveSchedule | None = schedule if isinstance(schedule, AdaptiveSchedule) else None
+        self._stateful: StatefulSchedule | None = schedule if isinstance(schedule, StatefulSchedule) else None
         self.k = 1
         self.k_known = False  # False until the first window of a run: its k is the start, not a change
         self.micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-keyed schedules

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_accum._cli_types import NonNegativeInt
@@ -205,7 +205,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
     if spec is None:
         return None
     if isinstance(spec, str):
-        target = import_object(spec, "count_items")
+        target: object = import_object(spec, "count_items")
         if inspect.isclass(target):
             target = target()
         if not callable(target):
@@ -213,7 +213,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
                 f"`count_items={spec!r}` names {target!r}, which is not callable. Name a function of a batch or a"
                 " class whose instances are, e.g. 'lightning_accum.items.CountTokens'."
             )
-        return target  # type: ignore[no-any-return]
+        return target
     if callable(spec):
         return spec
     raise TypeError(

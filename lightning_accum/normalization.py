@@ -28,7 +28,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -220,7 +220,7 @@ class WindowNormalizer:
         self._min_items = 0
         self._samples = 0
         self._micro_batches = 0
-        self.first_items: float | Tensor = 0
+        self.first_items = 0
         self.windows_started += 1
 
     @property
@@ -291,7 +291,8 @@ class WindowNormalizer:
         else:
             factor = self.divisor * world_size / items
             if factor != 1.0:
-                torch._foreach_mul_([p.grad for p in params], factor)  # type: ignore[misc]
+                # Each is a tensor: `params` holds only the parameters with a gradient.
+                torch._foreach_mul_(cast(list[Tensor], [p.grad for p in params]), factor)
             # Next window's divisor, from global counts only: weights stay near 1/k, and equal on every rank.
             self.scale = items / max(1.0, micro_batches)
             self.items_per_rank = items / (ranks or world_size)

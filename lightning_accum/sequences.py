@@ -183,14 +183,17 @@ class TokenCut:
     budget without reading it again.
 
     Attributes:
-        plan: the step batch's `lightning_accum.splitting.BatchPlan`.
+        plan: the step batch's `lightning_accum.splitting.BatchPlan`; ``None`` for a cut made only for its figures
+            (`stats`), as the probe's report makes one.
         order: sample indices, longest sequence first.
         lengths: the sequences' lengths in that order.
         padded_length: what the batch's sequence fields are padded to.
         sequence_dim: where the sequence is in them.
     """
 
-    def __init__(self, plan: BatchPlan, order: list[int], lengths: list[int], padded_length: int, sequence_dim: int):
+    def __init__(
+        self, plan: BatchPlan | None, order: list[int], lengths: list[int], padded_length: int, sequence_dim: int
+    ) -> None:
         self.plan, self.order, self.lengths = plan, order, lengths
         self.padded_length, self.sequence_dim = padded_length, sequence_dim
 
@@ -231,7 +234,9 @@ class TokenCut:
         ``batch`` is the step batch, or a copy of it with the same structure (the pre-flight's fake one): the lengths
         are the step batch's.
         """
-        plan = self.plan if batch is self.plan.batch else resolve_batch_hooks(None).plan(batch)
+        plan = (
+            self.plan if self.plan is not None and batch is self.plan.batch else resolve_batch_hooks(None).plan(batch)
+        )
         micro_batches = []
         for group in self.groups(budget):
             trim = SequenceTrim(self.sequence_dim, self.padded_length, max(1, self.lengths[group.start]))
@@ -301,13 +306,13 @@ def _checked_lengths(value: Any, given: Any) -> Tensor:
 def _resolve_lengths(lengths: Any) -> LengthsFn | None:
     if lengths is None:
         return None
-    target = import_object(lengths, "lengths") if isinstance(lengths, str) else lengths
+    target: object = import_object(lengths, "lengths") if isinstance(lengths, str) else lengths
     if not callable(target):
         raise TypeError(
             f"`lengths` must be a function of the batch that returns each sample's length, or its import path, got"
             f" {lengths!r} of type {type(lengths).__name__}."
         )
-    return target  # type: ignore[no-any-return]  # callable, checked above
+    return target
 
 
 def _name(fn: Any) -> str:

@@ -1,13 +1,20 @@
-"""The shape the codebase keeps: every function (issue 10) and every class (issue 20) short enough to read."""
+"""The shape the codebase keeps: every function (issue 10) and every class (issue 20) short enough to read, and its
+types checked (issue 20): `tox -e lint` runs mypy, and every `type: ignore` says what it silences and why."""
 
 from __future__ import annotations
 
 import ast
+import configparser
+import re
+import tokenize
 from pathlib import Path
+
+import pytest
 
 import lightning_accum
 
 PACKAGE = Path(lightning_accum.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60  # signature, docstring and body
 MAX_CLASS_LINES = 300  # the same: from `class` to its last line, docstring included
 
@@ -65,3 +72,56 @@ def test_the_check_finds_a_long_class(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(f"class Big:\n{methods}\n\nclass Small:\n    pass\n")
     assert long_classes(tmp_path / "pkg", MAX_CLASS_LINES) == {"pkg/mod.py:Big": 1 + 101 * 2 + 100}
+
+
+# ---- types -------------------------------------------------------------------------------------------------------
+
+TYPE_IGNORE = re.compile(r"#\s*type:\s*ignore\b")
+EXPLAINED_IGNORE = re.compile(r"#\s*type:\s*ignore\[[a-z-]+(?:,\s*[a-z-]+)*\]\s+#\s*\S")
+"""``# type: ignore[code, ...]  # why``: the error codes it silences, then the reason, on the same line."""
+
+
+def unexplained_ignores(root: Path) -> list[str]:
+    """Every ``type: ignore`` comment under ``root`` without error codes in brackets or a reason after them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        with path.open("rb") as source:
+            for token in tokenize.tokenize(source.readline):  # comments only: a string that holds one is not one
+                if token.type != tokenize.COMMENT or not TYPE_IGNORE.search(token.string):
+                    continue
+                if not EXPLAINED_IGNORE.search(token.string):
+                    found.append(f"{path.relative_to(root.parent)}:{token.start[0]} {token.string}")
+    return found
+
+
+def test_every_type_ignore_in_the_package_names_its_codes_and_why():
+    assert unexplained_ignores(PACKAGE) == []
+
+
+def test_the_check_finds_an_unexplained_type_ignore(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "a = f()  # type: ignore\n"
+        "b = f()  # type: ignore[no-any-return]\n"
+        "c = f()  # type: ignore  # no code\n"
+        "d = f()  # type: ignore[assignment, misc]  # torch < 2.4 has none\n"
+        "e = '# type: ignore'\n"
+        "g = f()  # noqa: E501  # type: ignore[arg-type]\n"
+    )
+    assert unexplained_ignores(tmp_path / "pkg") == [
+        "pkg/mod.py:1 # type: ignore",
+        "pkg/mod.py:2 # type: ignore[no-any-return]",
+        "pkg/mod.py:3 # type: ignore  # no code",
+        "pkg/mod.py:6 # noqa: E501  # type: ignore[arg-type]",
+    ]
+
+
+def test_the_lint_env_runs_mypy_pinned_and_strict_over_the_package():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    tox = configparser.ConfigParser()
+    tox.read(ROOT / "tox.ini")
+    lint = tox["testenv:lint"]
+    assert re.search(r"^\s*mypy==[\w.]+\s*$", lint["deps"], re.MULTILINE), lint["deps"]
+    assert "mypy" in [line.split()[0] for line in lint["commands"].splitlines() if line.strip()], lint["commands"]
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert mypy["strict"] is True and mypy["files"] == ["lightning_accum"]

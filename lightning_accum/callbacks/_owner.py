@@ -56,14 +56,15 @@ class AccumulationOwner(HoldsEngine, Callback):
     # ----------------------------------------------------------------------------------------------------------
     def _claim(self, trainer: pl.Trainer) -> None:
         """Refuse a second owner, and run first among the callbacks."""
-        others = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, AccumulationOwner)]
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
+        others = [cb for cb in callbacks if cb is not self and isinstance(cb, AccumulationOwner)]
         if others:
             raise RuntimeError(
                 f"`{type(self).__name__}` and `{type(others[0]).__name__}` both want to own gradient accumulation."
                 " Keep one of them."
             )
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        callbacks.remove(self)
+        callbacks.insert(0, self)
 
     def _install(self, undo: Callable[[], None]) -> None:
         """Remember how to undo something installed on the trainer."""

@@ -160,7 +160,7 @@ class AccumulationMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._owner = owner = find_owner(trainer.callbacks)
+        self._owner = owner = find_owner(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
         noise_in_use = None
         if self.gradient_noise_scale:
             if owner is None:
@@ -196,7 +196,7 @@ class AccumulationMonitor(Callback):
         """Warn about each ``ModelCheckpoint`` that reads a key between the logging steps, where it is not refreshed."""
         readers = [
             (cb.monitor, *_compat.checkpoint_step_schedule(cb))
-            for cb in trainer.callbacks
+            for cb in trainer.callbacks  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             if isinstance(cb, ModelCheckpoint) and isinstance(cb.monitor, str)
         ]
         every = self._logging_every(trainer)
@@ -252,7 +252,7 @@ class AccumulationMonitor(Callback):
                 _compat.set_callback_metrics(trainer, metrics)
 
     def _logging_every(self, trainer: pl.Trainer) -> int:
-        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
 
     def _log(self, trainer: pl.Trainer, step: int) -> None:
         """A logging step: every rank runs it, in the same order (it holds collectives)."""

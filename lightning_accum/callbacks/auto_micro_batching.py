@@ -37,7 +37,8 @@ from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_c
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
 from lightning_accum.memory.sizes import format_size
 from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.planner import MicroBatchPlanner, PlannerSettings
+from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.planner_settings import PlannerSettings
 from lightning_accum.planner_units import Tokens
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
 from lightning_accum.report import AccumulationEvent
@@ -171,8 +172,8 @@ class AutoMicroBatching(AccumulationOwner):
         self.preflight = check_bool(preflight, "preflight")
         self.preflight_result: Preflight | None = None  # what the cold start's trace found (this rank's)
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
-        self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
-        self.engine.resolve_hooks(None, **self._hook_arguments)  # checks the arguments now
+        self._split_batch, self._batch_size_of = split_batch, batch_size_of
+        self.engine.resolve_hooks(None, split_batch=split_batch, batch_size_of=batch_size_of)  # checks them now
         self.sequences = check_sequences(sequences, micro_batch_size, micro_batch_tokens, split_batch)
         # The settings validate the sizes and thresholds; the budget is set once the device is known.
         settings = PlannerSettings(
@@ -206,7 +207,7 @@ class AutoMicroBatching(AccumulationOwner):
         _refuse_what_split_mode_cannot_run(trainer, pl_module)
         strategy = trainer.strategy
         self.gradient_sync = resolve_gradient_sync(strategy, self._gradient_sync_given)
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
         backend = getattr(strategy, "process_group_backend", None)
@@ -215,7 +216,7 @@ class AutoMicroBatching(AccumulationOwner):
         )
         if warning:
             rank_zero_warn(warning)
-        self.engine.resolve_hooks(pl_module, **self._hook_arguments)
+        self.engine.resolve_hooks(pl_module, split_batch=self._split_batch, batch_size_of=self._batch_size_of)
         self._claim(trainer)
 
     @override

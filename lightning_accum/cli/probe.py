@@ -74,7 +74,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``probe`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "probe",
         help="measure peak memory with and without gradient accumulation on your model",
         description=(
@@ -286,17 +286,18 @@ def _sequences(args: argparse.Namespace) -> PaddedSequences | None:
             f"`--sequences`={text!r} is not a mask key or `lengths=pkg.mod:fn`. Pass the key of the batch's 0/1"
             " mask (e.g. `--sequences attention_mask`), or `--sequences lengths=my_pkg.data:lengths`."
         )
-    where: str | int = int(value) if key == "mask" and value.isdigit() else value
     try:
-        return PaddedSequences(**{key: where}, sequence_dim=args.sequence_dim)  # type: ignore[arg-type]
+        if key == "mask":
+            return PaddedSequences(int(value) if value.isdigit() else value, sequence_dim=args.sequence_dim)
+        return PaddedSequences(lengths=value, sequence_dim=args.sequence_dim)
     except (ImportError, TypeError, ValueError) as err:
         raise CommandError(f"`--sequences`={text!r}: {err}") from err
 
 
 def _budget_bytes(args: argparse.Namespace) -> float | None:
-    if args.budget_gib is not None:
-        return args.budget_gib * GIB
-    return args.max_memory
+    # `--budget-gib` parses as a float, `--max-memory` as a size in bytes (an int); both default to None.
+    budget: float | None = args.max_memory if args.budget_gib is None else args.budget_gib * GIB
+    return budget
 
 
 def _device(text: str) -> str:

@@ -62,7 +62,7 @@ that has just finished (see `read_offline_run`)."""
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``report`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
         help="plot a run's accumulation, memory, recovery and throughput metrics to a PNG",
         description=(

@@ -354,7 +354,8 @@ def spec_to_dict(workspace: Workspace) -> dict[str, Any]:
     ``Workspace.save`` sends exactly this model (``_to_model()``), so the dump is what would be uploaded. The
     method is private in wandb-workspaces 0.4; ``tests/integrations/test_wandb.py`` fails if it changes.
     """
-    return workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    spec: dict[str, Any] = workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    return spec
 
 
 def spec_to_json(workspace: Workspace, *, indent: int | None = 2) -> str:

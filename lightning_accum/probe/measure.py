@@ -24,7 +24,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_accum._validation import check_int
-from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget
+from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget, Target
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
@@ -47,7 +47,7 @@ def probe_memory(
     module_init_args: Mapping[str, Any] | None = None,
     data_init_args: Mapping[str, Any] | None = None,
     seed: int = 0,
-    target: str | None = None,
+    target: Target | None = None,
     precision: str | int = "32-true",
     headroom: float | None = None,
 ) -> ProbeResult:
@@ -157,11 +157,11 @@ class _Where:
     """Where the configurations run: a real device, or fake tensors predicting for ``target``; and the precision."""
 
     device: torch.device
-    target: str | None
+    target: Target | None
     precision: StepPrecision
 
     @classmethod
-    def of(cls, device: str | torch.device, target: str | None, precision: str | int) -> _Where:
+    def of(cls, device: str | torch.device, target: Target | None, precision: str | int) -> _Where:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"`device`={str(device)!r} but CUDA is not available here. Use `device='cpu'`.")
@@ -228,6 +228,11 @@ def _fit(result: ProbeResult) -> ProbeResult:
 # ---- the module -----------------------------------------------------------------------------------------------------
 
 
+def configured_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers ``model.configure_optimizers()`` returns (`optimizers_of`); `_check_module` saw the hook."""
+    return optimizers_of(model.configure_optimizers())  # type: ignore[operator]  # a hook; torch types Module attributes as Tensor | Module
+
+
 def optimizers_of(config: Any) -> list[torch.optim.Optimizer]:
     """The optimizers in what ``configure_optimizers`` returned, in any of the forms Lightning accepts.
 
@@ -263,7 +268,7 @@ def _check_module(model: Any) -> None:
             f"`module` {name} uses manual optimization (`automatic_optimization = False`); the probe drives "
             "`training_step` itself and needs automatic optimization. Probe a variant with it on."
         )
-    if not optimizers_of(model.configure_optimizers()):
+    if not configured_optimizers(model):
         raise ValueError(f"`module` {name}: `configure_optimizers` returned no optimizer.")
 
 
@@ -306,7 +311,8 @@ def _measure(
             micro_batches = [batches.pop(0) for _ in range(k)]
             train_step(model, optimizers, micro_batches, tracker, _preparer(where, fake), _autocast(where), step * k)
     device_peak = _device_peak(where.device)
-    peak, phases = tracker.peak, {}
+    peak = tracker.peak
+    phases: dict[str, int] = {}
     for label, total in tracker.phase_peaks.items():  # "backward 2/4" -> "backward"
         if label:
             phases[label.split()[0]] = max(phases.get(label.split()[0], 0), total)
@@ -324,7 +330,7 @@ def _build(
     model = fake.module(model) if fake is not None else model.to(where.device)
     model = where.precision.convert_module(model)
     model.train()
-    optimizers = optimizers_of(model.configure_optimizers())
+    optimizers = configured_optimizers(model)
     return model, optimizers if fake is None else fake.optimizers(optimizers)
 
 
@@ -395,7 +401,7 @@ def train_step(
         batches[i] = None
         tracker.track(batch, "activations")
         with tracker.phase(f"forward {i + 1}/{k}"), forward_context():
-            loss = _loss_of(model.training_step(batch, batch_idx + i))
+            loss = _loss_of(model.training_step(batch, batch_idx + i))  # type: ignore[operator]  # a hook; torch types Module attributes as Tensor | Module
         if loss is None:
             raise ValueError(
                 f"`module` {type(model).__name__}.training_step returned no loss; the probe needs a Tensor or "

@@ -55,7 +55,7 @@ from lightning_accum.memory.fake import CUDA_HEADROOM, FakeStep, FakeTarget
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
-from lightning_accum.probe.measure import optimizers_of, train_step
+from lightning_accum.probe.measure import configured_optimizers, train_step
 from lightning_accum.splitting import BatchHooks, MicroBatch
 
 
@@ -285,7 +285,7 @@ def _configured(step: FakeStep) -> list[torch.optim.Optimizer]:
             "`optimizers` must be given for a model sharded with FSDP2: `configure_optimizers()` on the copy would"
             " step its unsharded parameters. Pass `trainer.optimizers`."
         )
-    return optimizers_of(step.module.configure_optimizers())
+    return configured_optimizers(step.module)
 
 
 def _syncing_last(step: FakeStep, k: int) -> Callable[[Any], Any]:
@@ -314,13 +314,17 @@ def _as_in_training(
     fake, and would go to the real Trainer.
     """
     global _tracing
+
+    def copied_optimizers(use_pl_optimizer: bool = True) -> Any:
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
     _compat.report_device(model, torch.device("cpu"))  # where fake tensors live, whatever device they stand for
     for sub in model.modules():
         if isinstance(sub, pl.LightningModule):
-            sub.log = sub.log_dict = _ignore  # type: ignore[method-assign]
-            sub.optimizers = lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else optimizers  # type: ignore[method-assign]
+            sub.log = sub.log_dict = _ignore  # type: ignore[method-assign]  # the fake copy's, on purpose
+            sub.optimizers = copied_optimizers  # type: ignore[method-assign]  # the fake copy's, on purpose
     if isinstance(model, pl.LightningModule) and trainer is not None:
-        model.trainer = _TrainerView(trainer, optimizers)  # type: ignore[assignment]
+        model.trainer = _TrainerView(trainer, optimizers)  # type: ignore[assignment]  # a read-only stand-in
     _tracing += 1
     try:
         yield

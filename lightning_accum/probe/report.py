@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_accum.memory.sizes import UNITS, format_size, size_unit
 from lightning_accum.memory.tracker import CATEGORIES
@@ -128,7 +128,20 @@ def _budget_lines(result: ProbeResult) -> list[str]:
     ]
 
 
-def _prediction_lines(result: ProbeResult) -> list[str]:
+class _Predicted(Protocol):
+    """What `_prediction_lines` reads: a `ProbeResult` or a `TokenProbeResult`."""
+
+    @property
+    def target(self) -> str | None: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def headroom(self) -> float: ...
+
+
+def _prediction_lines(result: _Predicted) -> list[str]:
     if result.target is None:
         return []
     lines = [

@@ -25,7 +25,7 @@ def findings(result: TokenProbeResult) -> list[str]:
         *_optimizer_lines(result),
         *_budget_lines(result),
         *_step_batch_lines(result),
-        *report._prediction_lines(result),  # duck-typed: target, precision, headroom
+        *report._prediction_lines(result),
     ]
 
 

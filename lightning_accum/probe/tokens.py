@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_accum._validation import check_int
+from lightning_accum.memory.fake import Target
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure
 from lightning_accum.probe.measure import _check_module, _Where, check_headroom
@@ -71,7 +72,7 @@ def probe_tokens(
     module_init_args: Mapping[str, Any] | None = None,
     data_init_args: Mapping[str, Any] | None = None,
     seed: int = 0,
-    target: str | None = None,
+    target: Target | None = None,
     precision: str | int = "32-true",
     headroom: float | None = None,
 ) -> TokenProbeResult:
@@ -176,10 +177,11 @@ def _micro_batches(plan: _Plan, sequence_dim: int, length: int) -> Callable[[int
     whole step batch's storage into the count.
     """
     trim = SequenceTrim(sequence_dim, plan.cut.padded_length, length)
-    total = plan.cut.size
+    total, step_plan = plan.cut.size, plan.cut.plan
+    assert step_plan is not None, "`PaddedSequences.cut` plans the batch it reads"
 
     def make(start: int, size: int) -> Any:
-        micro = plan.cut.plan.take([(start + i) % total for i in range(size)], trim=trim)
+        micro = step_plan.take([(start + i) % total for i in range(size)], trim=trim)
         return apply_to_collection(micro, torch.Tensor, lambda t: t.clone())
 
     return make
