@@ -7,7 +7,6 @@ import copy
 import os
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from lightning_accum.sequences import PaddedSequences
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
 from tests.test_token_split_ddp import BUDGET, LONG, SHORT
 from tests.test_uneven_ranks import RankBatches
-from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, pad_right
+from tests.token_models import SavedTokenRun, TinyCausalLM, TokenSequences, full_batch_reference, pad_right
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
 
@@ -57,25 +56,10 @@ class ShardedCausalLM(TinyCausalLM):
         self.step_indices.append(self._indices)
 
 
-class _Save(pl.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: ShardedCausalLM) -> None:
-        callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
-        torch.save(
-            {
-                "step_grads": pl_module.step_grads,
-                "step_indices": pl_module.step_indices,
-                "shapes": pl_module.micro_batch_shapes,
-                "unsynced": pl_module.unsynced,
-                "sharded": all(isinstance(p, DTensor) for p in pl_module.parameters()),
-                "oom_retries": callback.oom_retries,
-                "fired": callback.fault_injector.fired if callback.fault_injector else [],
-                "planner": callback.planner.state_dict(),
-            },
-            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
-        )
+class _Save(SavedTokenRun):
+    def record(self, pl_module: ShardedCausalLM) -> dict[str, Any]:
+        sharded = all(isinstance(p, DTensor) for p in pl_module.parameters())
+        return {"unsynced": pl_module.unsynced, "sharded": sharded}
 
 
 def _per_rank() -> list[list[list[int]]]:

@@ -14,7 +14,7 @@ from lightning_accum import AutoMicroBatching
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.planner import MicroBatchOOMError
-from lightning_accum.sequences import PaddedSequences, TokenCut
+from lightning_accum.sequences import MICRO_BATCH_COST, PaddedSequences, TokenCut
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
 LR = 0.1
@@ -28,16 +28,63 @@ def test_a_step_batch_is_ordered_longest_first_cut_within_the_budget_and_trimmed
     batch = pad_right([dataset[i] for i in range(6)])
     cut = PaddedSequences(mask="attention_mask").cut(batch)
     assert cut.order == [1, 5, 2, 3, 0, 4] and cut.lengths == [9, 6, 4, 4, 3, 1]  # a stable sort, longest first
-    micro_batches = cut.split(batch, 12)
-    # 9 alone (2 x 9 > 12), 6 x 2 = 12, then 4, 4, 3 (3 x 4 = 12), then 1
-    assert [m.batch["index"].tolist() for m in micro_batches] == [[1], [5, 2], [3, 0, 4]]
-    assert [tuple(m.batch["input_ids"].shape) for m in micro_batches] == [(1, 9), (2, 6), (3, 4)]
+    # At 12 a micro-batch costs 12 // 32 = 0 tokens more: 9 alone (2 x 9 > 12), and only equal lengths share one.
+    assert [m.batch["index"].tolist() for m in cut.split(batch, 12)] == [[1], [5], [2, 3], [0], [4]]
+    stats = cut.stats(12)
+    assert (stats.padded, stats.real, stats.largest, stats.micro_batches) == (27, 27, 9, 5)
+    # At 128 one costs 4 more: 9 + 6 share one (3 padded < 4), and 4, 4, 3, 1 another (4 padded < 1 + 4).
+    micro_batches = cut.split(batch, 128)
+    assert [m.batch["index"].tolist() for m in micro_batches] == [[1, 5], [2, 3, 0, 4]]
+    assert [tuple(m.batch["input_ids"].shape) for m in micro_batches] == [(2, 9), (4, 4)]
     for micro in micro_batches:
         for row, index in enumerate(micro.batch["index"].tolist()):
             n = len(dataset[index]["input_ids"])
             torch.testing.assert_close(micro.batch["input_ids"][row, :n], dataset[index]["input_ids"])
-    stats = cut.stats(12)
-    assert (stats.padded, stats.real, stats.largest, stats.micro_batches) == (9 + 12 + 12, 27, 12, 3)
+    stats = cut.stats(128)
+    assert (stats.padded, stats.real, stats.largest, stats.micro_batches) == (2 * 9 + 4 * 4, 27, 18, 2)
+
+
+def cheapest_cut(lengths: list[int], budget: int) -> list[list[int]]:
+    """By brute force over every cut into consecutive micro-batches (lengths longest first): the one `TokenCut.groups`
+    must give. Each micro-batch within the budget (or one sequence alone), costing its padded tokens plus
+    ``budget // MICRO_BATCH_COST``; of equal costs, the one with fewer micro-batches."""
+    n, overhead, best = len(lengths), budget // MICRO_BATCH_COST, None
+    for mask in range(2 ** (n - 1)):
+        stops = [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        groups, start = [], 0
+        for stop in stops:
+            groups.append(lengths[start:stop])
+            start = stop
+        if any(len(g) > 1 and len(g) * g[0] > budget for g in groups):
+            continue
+        key = (sum(overhead + len(g) * g[0] for g in groups), len(groups))
+        if best is None or key < best[0]:
+            best = (key, groups)
+    assert best is not None
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_cut_is_the_cheapest_within_the_budget(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 11, (1,), generator=g))
+    lengths = sorted(lognormal_lengths(n, seed=seed, median=20, cap=200), reverse=True)
+    budget = int(torch.randint(8, 1200, (1,), generator=g))
+    cut = TokenCut(None, list(range(n)), lengths, max(lengths), 1)
+    groups = [lengths[r.start : r.stop] for r in cut.groups(budget)]
+    assert groups == cheapest_cut(lengths, budget), (lengths, budget)
+    assert [i for r in cut.groups(budget) for i in r] == list(range(n))  # every sample once, in order
+    stats = cut.stats(budget)
+    assert stats.micro_batches == len(groups) and stats.padded == sum(len(m) * m[0] for m in groups)
+    assert stats.largest <= max(budget, lengths[0])
+    # Never more padded tokens than filling each micro-batch to the budget, counting what a micro-batch costs.
+    greedy, start = [], 0
+    while start < n:
+        count = max(1, budget // lengths[start])
+        greedy.append(lengths[start : start + count])
+        start += count
+    cost = budget // MICRO_BATCH_COST
+    assert sum(cost + len(m) * m[0] for m in groups) <= sum(cost + len(m) * m[0] for m in greedy)
 
 
 def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own():
@@ -61,8 +108,9 @@ def test_lengths_from_a_function_and_the_padded_length_from_the_batch():
     batch = {"ids": torch.zeros(3, 10), "scores": torch.zeros(3, 2), "n": torch.tensor([4, 7, 2])}
     cut = PaddedSequences(lengths=lambda b: b["n"]).cut(batch)
     assert cut.padded_length == 10 and cut.lengths == [7, 4, 2]
-    assert [tuple(m.batch["ids"].shape) for m in cut.split(batch, 8)] == [(1, 7), (2, 4)]
-    assert [tuple(m.batch["scores"].shape) for m in cut.split(batch, 8)] == [(1, 2), (2, 2)]  # not a sequence field
+    # At 128 a micro-batch costs 4 tokens more: 4 and 2 share one (2 padded), 7 runs alone (with them: 8 padded).
+    assert [tuple(m.batch["ids"].shape) for m in cut.split(batch, 128)] == [(1, 7), (2, 4)]
+    assert [tuple(m.batch["scores"].shape) for m in cut.split(batch, 128)] == [(1, 2), (2, 2)]  # not a sequence field
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,8 @@ with the gradient sync deferred or overlapped, and after an OOM on one rank.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -24,7 +22,7 @@ from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.sequences import PaddedSequences
 from tests.test_ddp import load_ranks
 from tests.test_uneven_ranks import RankBatches
-from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, pad_right
+from tests.token_models import SavedTokenRun, TinyCausalLM, TokenSequences, full_batch_reference, pad_right
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 
@@ -36,25 +34,9 @@ LONG = [30, 22, 17, 12, 9, 8, 5, 3]
 SHORT = [6, 5, 4, 4, 3, 3, 2, 2]
 
 
-class SaveTokenRun(pl.Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: TinyCausalLM) -> None:
-        callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
-        torch.save(
-            {
-                "step_grads": pl_module.step_grads,
-                "step_indices": pl_module.step_indices,
-                "shapes": pl_module.micro_batch_shapes,
-                "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-                "planner": callback.planner.state_dict(),
-                "oom_retries": callback.oom_retries,
-                "fired": callback.fault_injector.fired if callback.fault_injector else [],
-                "reports": callback.last_step_report,
-            },
-            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
-        )
+class SaveTokenRun(SavedTokenRun):
+    def record(self, pl_module: TinyCausalLM) -> dict[str, Any]:
+        return {"params": {n: p.detach().clone() for n, p in pl_module.named_parameters()}}
 
 
 def run(tmp_path: Any, gradient_sync: str, faults: list[OOMFault], steps: int = 3) -> tuple[list[dict], Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,3 +121,28 @@ def full_batch_reference(
                 if name in grads[-1]:
                     p -= lr * grads[-1][name]
     return grads
+
+
+class SavedTokenRun(pl.Callback):
+    """Writes what a split-by-tokens fit did on this rank to ``out_dir/rank{r}.pt``, with `record`'s additions."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def record(self, pl_module: Any) -> dict[str, Any]:
+        return {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from lightning_accum import AutoMicroBatching
+
+        callback = next(cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching))
+        run = {
+            "step_grads": pl_module.step_grads,
+            "step_indices": pl_module.step_indices,
+            "shapes": pl_module.micro_batch_shapes,
+            "planner": callback.planner.state_dict(),
+            "oom_retries": callback.oom_retries,
+            "fired": callback.fault_injector.fired if callback.fault_injector else [],
+            "reports": callback.last_step_report,
+        }
+        torch.save(run | self.record(pl_module), os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

@@ -295,11 +295,8 @@ def plot(result: ProbeResult, path: str | Path) -> Path:
     return path
 
 
-def figure(result: ProbeResult) -> Any:
-    """A matplotlib figure: the stacked peak breakdown per configuration, and peak against ``b``.
-
-    The second panel has the fitted line, the budget, the part of it the recommendation measures against (the budget
-    less its `headroom`, drawn when there is one) and the recommended ``b``, each labelled.
+def pyplot(needed_by: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed), or an error that says how to install it.
 
     Raises:
         ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
@@ -310,9 +307,20 @@ def figure(result: ProbeResult) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            "`ProbeResult.plot` needs matplotlib: pip install 'lightning-accum[report]'."
-        ) from err
+        raise ModuleNotFoundError(f"`{needed_by}` needs matplotlib: pip install 'lightning-accum[report]'.") from err
+    return plt
+
+
+def figure(result: ProbeResult) -> Any:
+    """A matplotlib figure: the stacked peak breakdown per configuration, and peak against ``b``.
+
+    The second panel has the fitted line, the budget, the part of it the recommendation measures against (the budget
+    less its `headroom`, drawn when there is one) and the recommended ``b``, each labelled.
+
+    Raises:
+        ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
+    """
+    plt = pyplot("ProbeResult.plot")
     fig, (ax_bar, ax_fit) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     unit = table_unit(result)
     _plot_breakdown(ax_bar, result, unit)

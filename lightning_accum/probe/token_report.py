@@ -362,15 +362,7 @@ def plot(result: TokenProbeResult, path: str | Path) -> Path:
     """
     from pathlib import Path
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            "`TokenProbeResult.plot` needs matplotlib: pip install 'lightning-accum[report]'."
-        ) from err
+    plt = report.pyplot("TokenProbeResult.plot")
     unit = _unit(result)
     scale = _FACTORS[unit]
     fig, ax = plt.subplots(figsize=(8, 5))

@@ -23,6 +23,7 @@ from lightning_accum.probe.token_result import TokenMeasurement
 from lightning_accum.probe.tokens import _micro_batches, _plan, probe_tokens
 from lightning_accum.sequences import PaddedSequences
 from tests.probe.models import TokenLM, token_batch
+from tests.test_token_split import cheapest_cut
 
 KiB, MiB = 2**10, 2**20
 LENGTHS = [64, 40, 30, 20, 12, 10, 8, 5]  # the step batch's real lengths, padded to 64
@@ -124,12 +125,7 @@ def test_what_the_step_batch_costs_by_samples_and_by_tokens(eager):
     b = tokens // 64
     assert (cost.micro_batch_size, cost.by_samples_micro_batches) == (b, -(-8 // b))
     assert cost.by_samples_tokens == 8 * 64 and cost.real_tokens == sum(LENGTHS)
-    # Longest first, each micro-batch as many sequences as fit the budget at its longest, trimmed to it.
-    groups, start, ordered = [], 0, sorted(LENGTHS, reverse=True)
-    while start < 8:
-        count = max(1, tokens // ordered[start])
-        groups.append(ordered[start : start + count])
-        start += count
+    groups = cheapest_cut(sorted(LENGTHS, reverse=True), tokens)  # the cut split mode makes at this budget
     assert cost.by_tokens_micro_batches == len(groups)
     assert cost.by_tokens_tokens == sum(len(g) * g[0] for g in groups)
     assert cost.by_tokens_padding == pytest.approx(1 - sum(LENGTHS) / cost.by_tokens_tokens)
