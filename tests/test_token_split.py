@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
-from lightning_accum import AutoMicroBatching
+from lightning_accum import AutoMicroBatching, sequences
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.planner import MicroBatchOOMError
@@ -85,6 +85,18 @@ def test_the_cut_is_the_cheapest_within_the_budget(seed):
         start += count
     cost = budget // MICRO_BATCH_COST
     assert sum(cost + len(m) * m[0] for m in groups) <= sum(cost + len(m) * m[0] for m in greedy)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_long_windows_vectorized_minimum_cuts_as_the_short_windows_loop(monkeypatch, seed):
+    lengths = sorted(lognormal_lengths(300, seed=seed, median=6, cap=120), reverse=True)
+    cuts = {}
+    for short_window in (0, 10**9):  # every window vectorized, then none
+        monkeypatch.setattr(sequences, "_SHORT_WINDOW", short_window)
+        cut = TokenCut(None, list(range(300)), lengths, lengths[0], 1)
+        cuts[short_window] = [[(r.start, r.stop) for r in cut.groups(budget)] for budget in (7, 64, 500, 2000, 9000)]
+    assert cuts[0] == cuts[10**9]
+    assert len({len(groups) for groups in cuts[0]}) > 2  # the budgets cut differently
 
 
 def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own():
