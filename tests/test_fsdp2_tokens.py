@@ -16,12 +16,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
-from lightning_accum import AutoMicroBatching, _compat
-from lightning_accum.items import CountTokens
-from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.sequences import PaddedSequences
+from lightning_accum import _compat
+from lightning_accum.memory.oom import OOMFault
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
-from tests.test_token_split_ddp import BUDGET, LONG, SHORT
+from tests.test_token_split_ddp import LONG, SHORT, pinned_token_callback
 from tests.test_uneven_ranks import RankBatches
 from tests.token_models import SavedTokenRun, TinyCausalLM, TokenSequences, full_batch_reference, pad_right
 
@@ -68,15 +66,7 @@ def _per_rank() -> list[list[list[int]]]:
 
 def _worker(rank: int, port: int, out_dir: str, faults: list[OOMFault]) -> None:
     _, strategy = start_worker(rank, port)
-    callback = AutoMicroBatching(
-        sequences=PaddedSequences(),
-        micro_batch_tokens=BUDGET,
-        pin_micro_batch_size=True,
-        oom_cooldown=1,
-        grow_patience=1,
-        count_items=CountTokens("labels", shift=1),
-        fault_injector=OOMInjector(faults),
-    )
+    callback = pinned_token_callback(faults)
     trainer = h.make_trainer(
         out_dir, [callback, _Save(out_dir)], strategy=strategy, devices=WORLD_SIZE, use_distributed_sampler=False
     )

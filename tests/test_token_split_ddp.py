@@ -34,6 +34,20 @@ LONG = [30, 22, 17, 12, 9, 8, 5, 3]
 SHORT = [6, 5, 4, 4, 3, 3, 2, 2]
 
 
+def pinned_token_callback(faults: list[OOMFault], **kwargs: Any) -> AutoMicroBatching:
+    """Split by tokens at `BUDGET`, pinned (an OOM still shrinks it for a step), with ``faults`` injected."""
+    return AutoMicroBatching(
+        sequences=PaddedSequences(),
+        micro_batch_tokens=BUDGET,
+        pin_micro_batch_size=True,
+        oom_cooldown=1,
+        grow_patience=1,
+        count_items=CountTokens("labels", shift=1),
+        fault_injector=OOMInjector(faults),
+        **kwargs,
+    )
+
+
 class SaveTokenRun(SavedTokenRun):
     def record(self, pl_module: TinyCausalLM) -> dict[str, Any]:
         return {"params": {n: p.detach().clone() for n, p in pl_module.named_parameters()}}
@@ -48,16 +62,7 @@ def run(tmp_path: Any, gradient_sync: str, faults: list[OOMFault], steps: int = 
     ]
     model = TinyCausalLM(lr=LR)
     initial = copy.deepcopy(model)
-    callback = AutoMicroBatching(
-        sequences=PaddedSequences(),
-        micro_batch_tokens=BUDGET,
-        pin_micro_batch_size=True,
-        oom_cooldown=1,
-        grow_patience=1,
-        count_items=CountTokens("labels", shift=1),
-        gradient_sync=gradient_sync,
-        fault_injector=OOMInjector(faults),
-    )
+    callback = pinned_token_callback(faults, gradient_sync=gradient_sync)
     ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
     trainer = h.make_trainer(
         tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2, use_distributed_sampler=False
