@@ -27,7 +27,6 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_accum._cli_types import NonNegativeInt
@@ -136,6 +135,8 @@ class CountTokens:
         loss_bearing = labels != self.ignore_index
         # Equal where a label carries a loss (padding and masked prompts hold `ignore_index`), and not all padding.
         if bool((loss_bearing.any() & (~loss_bearing | (labels == input_ids)).all()).item()):
+            from lightning.fabric.utilities import rank_zero_warn  # here: the counters import without Lightning
+
             rank_zero_warn(
                 f"`{self!r}` sees labels equal to the batch's `input_ids` (wherever they are not"
                 f" {self.ignore_index}): the sign of a model that shifts its labels inside, as Hugging Face causal"
