@@ -18,14 +18,16 @@ of 64 right-padded sequences, every variant with the same largest micro-batch in
 Every variant counts tokens (``CountTokens("labels", shift=1)``), runs under the same ``max_memory`` budget (the
 resident set at the start plus ``--headroom-mib``) with `lightning_accum.AccumulationMonitor` logging every step, and
 starts from the same weights on the same batches. The fits are interleaved (each repeat runs every variant once, in a
-rotated order), so drift in the machine's load hits every variant alike; a ratio is the median over the repeats of
-the ratio within a repeat, and its spread is their range. Samples per second are timed over the steps after
-``--warmup``. Padding is the share of the token positions the micro-batches computed that hold no real token; peak
-is the monitor's ``memory/peak_gib`` (the peak resident set, reset every step), the maximum over the timed steps.
+rotated order), so drift in the machine's load hits every variant alike; a ratio is the median over the repeats of the
+ratio within a repeat, and its spread is their range. Samples per second are timed over the steps after ``--warmup``.
+"Per step" is the median, over every timed step of every repeat, of the time ``by samples`` took for that step batch
+over the time this variant took for it, with its quartiles: robust to a burst of the machine's other load that slows a
+few steps of one fit. Padding is the share of the token positions the micro-batches computed that hold no real token;
+peak is the monitor's ``memory/peak_gib`` (the peak resident set, reset every step), the maximum over the timed steps.
 Parity compares every variant with ``by samples`` (the exact full-batch mean over the step's tokens), in the first
 repeat: the largest relative difference ``max |a - b| / max |b|`` over the parameter tensors after the run, and over
-every step's gradient (the sharper test: an update of lr x gradient is too small to show in float32 parameters near
-1). Both are 0 up to float summation order.
+every step's gradient (the sharper test: an update of lr x gradient is too small to show in float32 parameters near 1).
+Both are 0 up to float summation order.
 
 Ratios, not times, are the result: the machine is shared. The last line is ``RESULT`` and the results as JSON.
 """
@@ -200,10 +202,13 @@ class StepClock(pl.Callback):
         self.samples = 0
         self.peak_gib = 0.0
         self.reported_padding: list[float] = []  # the callback's `padding_fraction` of every step (by tokens)
+        self.step_start = 0.0
+        self.step_seconds: list[float] = []  # the wall time of each timed step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         if trainer.global_step == self.warmup:
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        self.step_start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, i: int
@@ -213,6 +218,7 @@ class StepClock(pl.Callback):
         if report is not None and report.padding_fraction is not None:
             self.reported_padding.append(report.padding_fraction)
         if trainer.global_step > self.warmup:
+            self.step_seconds.append(time.perf_counter() - self.step_start)
             self.seconds = time.perf_counter() - self.start
             self.cpu_seconds = time.process_time() - self.cpu_start
             self.samples += len(batch["input_ids"])
@@ -225,6 +231,7 @@ class Fit:
 
     samples_per_sec: float
     samples_per_cpu_sec: float  # per second of this process's CPU time: what the machine's other load disturbs least
+    step_seconds: list[float]  # the wall time of each timed step
     padding: float  # the share of the token positions computed that held no real token, over the whole fit
     step_padding: list[float]  # the same, per step
     reported_padding: list[float]  # the callback's `padding_fraction` per step (by tokens; empty otherwise)
@@ -275,6 +282,7 @@ def fit(
     return Fit(
         samples_per_sec=clock.samples / clock.seconds,
         samples_per_cpu_sec=clock.samples / clock.cpu_seconds,
+        step_seconds=clock.step_seconds,
         padding=1 - real / positions,
         step_padding=[1 - r / p for p, r, _ in model.steps],
         reported_padding=clock.reported_padding,
@@ -363,6 +371,13 @@ def summarize(fits: dict[str, dict[str, list[Fit]]], budget: int) -> dict[str, d
         for variant, runs in by_variant.items():
             ratios = [r.samples_per_sec / b.samples_per_sec for r, b in zip(runs, baseline, strict=True)]
             cpu_ratios = [r.samples_per_cpu_sec / b.samples_per_cpu_sec for r, b in zip(runs, baseline, strict=True)]
+            # The same step batch's time by `BASELINE` over this variant's, in the same repeat, for every timed step:
+            # their median shrugs off a burst of the machine's other load that hits a few steps of one fit.
+            step_ratios = sorted(
+                b_step / r_step
+                for r, b in zip(runs, baseline, strict=True)
+                for r_step, b_step in zip(r.step_seconds, b.step_seconds, strict=True)
+            )
             first = runs[0]
             results[case][variant] = {
                 "samples_per_sec": statistics.median(r.samples_per_sec for r in runs),
@@ -372,6 +387,10 @@ def summarize(fits: dict[str, dict[str, list[Fit]]], budget: int) -> dict[str, d
                 "samples_per_cpu_sec": statistics.median(r.samples_per_cpu_sec for r in runs),
                 "cpu_ratio": statistics.median(cpu_ratios),
                 "cpu_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
+                "step_ratio": statistics.median(step_ratios),
+                "step_ratio_quartiles": statistics.quantiles(step_ratios, n=4)[::2]
+                if len(step_ratios) > 1
+                else [step_ratios[0]] * 2,
                 "padding": first.padding,
                 "step_padding": first.step_padding,
                 "reported_padding": first.reported_padding,
@@ -387,17 +406,19 @@ def summarize(fits: dict[str, dict[str, list[Fit]]], budget: int) -> dict[str, d
 
 def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
     print(
-        "| case | variant | samples/s | vs by samples (range) | by CPU time (range) | padding | micro-batches/step |"
-        " peak / budget | OOMs | parameters (gradients) vs by samples |"
+        "| case | variant | samples/s | vs by samples (range) | by CPU time (range) | per step (quartiles) | padding |"
+        " micro-batches/step | peak / budget | OOMs | parameters (gradients) vs by samples |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case, by_variant in results.items():
         for variant, r in by_variant.items():
             low, high = r["ratio_range"]
             cpu_low, cpu_high = r["cpu_ratio_range"]
+            q1, q3 = r["step_ratio_quartiles"]
             print(
                 f"| {case} | {variant} | {r['samples_per_sec']:.1f} | {r['ratio']:.2f}x ({low:.2f}-{high:.2f}) |"
-                f" {r['cpu_ratio']:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) | {r['padding']:.1%} |"
+                f" {r['cpu_ratio']:.2f}x ({cpu_low:.2f}-{cpu_high:.2f}) | {r['step_ratio']:.2f}x ({q1:.2f}-{q3:.2f}) |"
+                f" {r['padding']:.1%} |"
                 f" {r['micro_batches']:.1f} | {r['peak_gib']:.2f} GiB ({r['peak_over_budget']:.0%}) |"
                 f" {r['oom_retries']} | {r['parameter_difference']:.1e} ({r['gradient_difference']:.1e}) |"
             )

@@ -52,7 +52,9 @@ def test_the_table_has_every_case_and_variant(quick_run):
     assert {case: list(variants) for case, variants in result["cases"].items()} == {
         case: list(variants) for case, variants in token_split.CASES.items()
     }
-    header = "| case | variant | samples/s | vs by samples (range) | by CPU time (range) | padding |"
+    header = (
+        "| case | variant | samples/s | vs by samples (range) | by CPU time (range) | per step (quartiles) | padding |"
+    )
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(header)]
     assert out.count(header) == 1
     assert [row.split(" | ")[:2] for row in rows] == [
@@ -63,7 +65,10 @@ def test_the_table_has_every_case_and_variant(quick_run):
             assert figures["samples_per_sec"] > 0 and figures["ratio"] > 0, (case, variant)
             assert figures["ratio_range"][0] <= figures["ratio"] <= figures["ratio_range"][1]
             assert figures["cpu_ratio_range"][0] <= figures["cpu_ratio"] <= figures["cpu_ratio_range"][1]
+            low, high = figures["step_ratio_quartiles"]
+            assert 0 < low <= figures["step_ratio"] <= high, (case, variant)
         assert variants[token_split.BASELINE]["ratios"] == [1.0]
+        assert variants[token_split.BASELINE]["step_ratio"] == 1.0
 
 
 def test_every_variant_gives_the_update_of_todays_split_mode(quick_run):
