@@ -5,7 +5,7 @@ Each is a no-op at world size 1, and every rank must call them in the same order
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,7 +34,7 @@ def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
 
 
 def all_reduce_gradients(
-    parameters: list[Tensor],
+    parameters: Sequence[Tensor],
     process_group: Any = None,
     used: list[bool] | None = None,
     bucket_bytes: int = 25 * 1024 * 1024,
@@ -56,10 +56,12 @@ def all_reduce_gradients(
         used = [True] * len(parameters)
     if len(used) != len(parameters):
         raise ValueError(f"`used` holds {len(used)} flags for {len(parameters)} parameters; pass one per parameter.")
-    parameters = [p for p, anywhere in zip(parameters, used, strict=True) if anywhere]
-    for p in parameters:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    grads: list[Tensor] = []
+    for p, anywhere in zip(parameters, used, strict=True):
+        if anywhere:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
     calls = 0
     bucket: list[Tensor] = []
     size = 0
@@ -77,8 +79,7 @@ def all_reduce_gradients(
             offset += g.numel()
         bucket, size = [], 0
 
-    grads = sorted((p.grad for p in parameters), key=lambda g: (str(g.device), str(g.dtype)))
-    for grad in grads:
+    for grad in sorted(grads, key=lambda g: (str(g.device), str(g.dtype))):
         if bucket and (grad.dtype != bucket[0].dtype or grad.device != bucket[0].device):
             flush()
         bucket.append(grad)

@@ -17,7 +17,7 @@ validate, count, weigh, schedule and checkpoint alike. Why ``k`` changed at step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -102,8 +102,8 @@ class ScheduleDriver:
     def __init__(self, schedule: AccumulationSchedule | None) -> None:
         self.schedule: AccumulationSchedule = schedule or ConstantSchedule(1)
         # Protocol checks cost tens of microseconds: done once here, not at every window.
-        self.adaptive = schedule if isinstance(schedule, AdaptiveSchedule) else None
-        self._stateful = schedule if isinstance(schedule, StatefulSchedule) else None
+        self.adaptive: AdaptiveSchedule | None = schedule if isinstance(schedule, AdaptiveSchedule) else None
+        self._stateful: StatefulSchedule | None = schedule if isinstance(schedule, StatefulSchedule) else None
         self.k = 1
         self.k_known = False  # False until the first window of a run: its k is the start, not a change
         self.micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-keyed schedules
@@ -167,6 +167,29 @@ class ScheduleDriver:
         self.micro_batch_size = int(state.get("micro_batch_size", 0))
         if "schedule" in state and self._stateful is not None:
             self._stateful.load_state_dict(state["schedule"])
+
+
+class HoldsEngine:
+    """The engine's figures under the names the front ends have always shown them by (read-only views)."""
+
+    engine: AccumulationEngine
+
+    @property
+    def count_items(self) -> ItemCounter | None:
+        return self.engine.count_items
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self.engine.loss_reduction
+
+    @property
+    def normalizer(self) -> WindowNormalizer:
+        return self.engine.normalizer
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed since the start of training, all ranks (restored on resume)."""
+        return self.engine.consumed_samples
 
 
 @dataclass(frozen=True)
@@ -278,6 +301,7 @@ class AccumulationEngine:
         ranks: Ranks = Ranks(),
         averaged_over: int | None = None,
         measure_noise: bool = True,
+        extra: Sequence[float] = (),
     ) -> ClosedWindow:
         """Rescale the window's gradients to the exact mean, measure the noise scale, and count the samples.
 
@@ -289,10 +313,12 @@ class AccumulationEngine:
                 Default: every rank.
             measure_noise: ``False`` where no rank holds its own first micro-batch's gradient (a sync after every
                 micro-batch): the same on every rank.
+            extra: more figures of this rank to sum over ranks with the window's counts (``totals.extra``), in the
+                same all-reduce.
         """
         normalizer = self.normalizer
         world = ranks.world_size if averaged_over is None else averaged_over
-        totals = normalizer.finish_window(parameters, ranks.sum, world, ranks=ranks.world_size)
+        totals = normalizer.finish_window(parameters, ranks.sum, world, ranks=ranks.world_size, extra=extra)
         noise = None
         if measure_noise:
             noise = self.noise.measure(

@@ -27,7 +27,6 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_accum._cli_types import NonNegativeInt
@@ -107,7 +106,7 @@ class CountTokens:
         self._shift_checked = shift is not None
 
     def __call__(self, batch: Any) -> Tensor:
-        labels = _lookup(batch, self.key)
+        labels = lookup(batch, self.key, f"CountTokens(key={self.key!r})", "labels")
         if not isinstance(labels, Tensor):
             raise TypeError(
                 f"`CountTokens(key={self.key!r})` expects a tensor of labels at batch[{self.key!r}], got"
@@ -136,6 +135,8 @@ class CountTokens:
         loss_bearing = labels != self.ignore_index
         # Equal where a label carries a loss (padding and masked prompts hold `ignore_index`), and not all padding.
         if bool((loss_bearing.any() & (~loss_bearing | (labels == input_ids)).all()).item()):
+            from lightning.fabric.utilities import rank_zero_warn  # here: the counters import without Lightning
+
             rank_zero_warn(
                 f"`{self!r}` sees labels equal to the batch's `input_ids` (wherever they are not"
                 f" {self.ignore_index}): the sign of a model that shifts its labels inside, as Hugging Face causal"
@@ -205,7 +206,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
     if spec is None:
         return None
     if isinstance(spec, str):
-        target = import_object(spec, "count_items")
+        target: object = import_object(spec, "count_items")
         if inspect.isclass(target):
             target = target()
         if not callable(target):
@@ -213,7 +214,7 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
                 f"`count_items={spec!r}` names {target!r}, which is not callable. Name a function of a batch or a"
                 " class whose instances are, e.g. 'lightning_accum.items.CountTokens'."
             )
-        return target  # type: ignore[no-any-return]
+        return target
     if callable(spec):
         return spec
     raise TypeError(
@@ -222,18 +223,25 @@ def resolve_counter(spec: Callable[[Any], Any] | str | None) -> Callable[[Any], 
     )
 
 
-def _lookup(batch: Any, key: str | int) -> Any:
+def lookup(batch: Any, key: str | int, who: str, what: str) -> Any:
+    """``batch[key]`` for a mapping, a tuple (an int key) or an attribute (a str key) of a batch object.
+
+    ``who`` names the argument in the errors (e.g. ``"CountTokens(key='labels')"``), ``what`` the thing looked for.
+
+    Raises:
+        KeyError: the batch has nothing under ``key``; the message names ``who`` and shows what the batch has.
+    """
     if isinstance(batch, Mapping):
         if key not in batch:
-            raise KeyError(f"`CountTokens(key={key!r})`: the batch has no {key!r}; its keys are {list(batch)}.")
+            raise KeyError(f"`{who}`: the batch has no {key!r}; its keys are {list(batch)}.")
         return batch[key]
     if isinstance(key, int) and isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
         if not -len(batch) <= key < len(batch):
-            raise KeyError(f"`CountTokens(key={key})`: the batch is a sequence of length {len(batch)}.")
+            raise KeyError(f"`{who}`: the batch is a sequence of length {len(batch)}.")
         return batch[key]
     if isinstance(key, str) and hasattr(batch, key):
         return getattr(batch, key)
     raise KeyError(
-        f"`CountTokens(key={key!r})` cannot find labels in a batch of type {type(batch).__name__}. Use a str key for"
-        " a dict batch or an attribute, an int key for a tuple batch."
+        f"`{who}` cannot find {what} in a batch of type {type(batch).__name__}. Use a str key for a dict batch or an"
+        " attribute, an int key for a tuple batch."
     )

@@ -21,6 +21,10 @@ GRAD_SQ_NORM = "accum/grad_sq_norm"  # |G|²
 GRAD_TRACE_COV = "accum/grad_trace_cov"  # tr(Σ)
 NOISE_SCALE_SKIPPED = "accum/noise_scale_skipped"  # windows whose estimate was NaN or inf, left out; cumulative
 
+# Split mode by tokens only (`AutoMicroBatching(sequences=...)`): a run by samples never logs them.
+MICRO_BATCH_TOKENS = "accum/micro_batch_tokens"  # the token budget: padded tokens per micro-batch, max over ranks
+PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that held no real token, this step, all ranks
+
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
 )
@@ -40,4 +44,5 @@ MEMORY_KEYS = (PEAK_GIB, CAPACITY_GIB, PEAK_FRACTION, PEAK_RESERVED_GIB, BUDGET_
 PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC, TRAIN_SECONDS)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
 NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV, NOISE_SCALE_SKIPPED)
+TOKEN_KEYS = (MICRO_BATCH_TOKENS, PADDING_FRACTION)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

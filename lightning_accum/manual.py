@@ -16,13 +16,13 @@ from torch.optim import Optimizer
 
 from lightning_accum import _compat
 from lightning_accum.callbacks._owner import log_info, ranks_of
-from lightning_accum.engine import AccumulationEngine
-from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer, WindowTotals
+from lightning_accum.engine import AccumulationEngine, HoldsEngine
+from lightning_accum.normalization import ItemCounter, LossReduction, WindowTotals
 from lightning_accum.report import AccumulationEvent
 from lightning_accum.schedules import AccumulationSchedule, as_schedule, scale_learning_rates
 
 
-class ManualAccumulation:
+class ManualAccumulation(HoldsEngine):
     """Exact gradient accumulation for ``automatic_optimization = False``.
 
     Lightning refuses ``accumulate_grad_batches`` under manual optimization, and a hand-written loop all-reduces the
@@ -97,19 +97,6 @@ class ManualAccumulation:
     @property
     def schedule(self) -> AccumulationSchedule:
         return self.engine.schedule.schedule
-
-    @property
-    def count_items(self) -> ItemCounter | None:
-        return self.engine.count_items
-
-    @property
-    def normalizer(self) -> WindowNormalizer:
-        return self.engine.normalizer
-
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed since the start of training, all ranks."""
-        return self.engine.consumed_samples
 
     def backward(
         self,

@@ -31,6 +31,7 @@ from lightning_accum.monitoring import (
     event_metrics,
     mean_loss,
     step_metrics,
+    token_metrics,
     window_loss,
 )
 from lightning_accum.noise_scale import NoiseScale, NoiseScaleEstimator
@@ -148,7 +149,7 @@ def logging_metrics(
         interval_items=items,
         interval_seconds=seconds,
     )
-    return figures.as_metrics()
+    return {**figures.as_metrics(), **token_metrics(last)}  # split by tokens: the last step's budget and padding
 
 
 class EveryStepMetrics:
@@ -184,7 +185,7 @@ class EveryStepMetrics:
             return {}
         metrics: dict[str, float | Tensor] = {}
         figures = (last.effective_batch_size, last.micro_batch_size, last.accumulation_steps, last.items)
-        values = (*figures, last.oom_retries, *noise.values())
+        values = (*figures, last.oom_retries, last.micro_batch_tokens, last.padding_fraction, *noise.values())
         if values != self._values:
             self._values = values
             batch = step_metrics(last) if keys.EFFECTIVE_BATCH_SIZE in self.wanted else {}
@@ -195,15 +196,23 @@ class EveryStepMetrics:
 
 
 def progress_bar_batch(report: StepReport) -> dict[str, str]:
-    """The micro-batch size and ``k`` for Lightning's progress bar.
+    """The micro-batch size and ``k`` for Lightning's progress bar; split by tokens, also the budget and the padding.
 
-    As text: Rich's bar formats every number with 3 decimals (``mb: 4.000``).
+    As text: Rich's bar formats every number with 3 decimals (``mb: 4.000``). By tokens ``mb`` is the samples of the
+    largest micro-batch, ``mb_tokens`` the token budget and ``pad`` the step's padding fraction, all ranks.
 
     Examples:
         >>> progress_bar_batch(StepReport("split", 4, 2, 8, 8.0, 8))
         {'mb': '4', 'k': '2'}
+        >>> progress_bar_batch(StepReport("split", 9, 3, 16, 180.0, 16, micro_batch_tokens=96, padding_fraction=0.277))
+        {'mb': '9', 'k': '3', 'mb_tokens': '96', 'pad': '0.28'}
     """
-    return {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
+    shown = {"mb": str(report.micro_batch_size), "k": str(report.accumulation_steps)}
+    if report.micro_batch_tokens is not None:
+        shown["mb_tokens"] = str(report.micro_batch_tokens)
+        if report.padding_fraction is not None:
+            shown["pad"] = f"{report.padding_fraction:.2f}"
+    return shown
 
 
 def progress_bar_memory(fraction: float, *, has_budget: bool) -> dict[str, str]:

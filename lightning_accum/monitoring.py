@@ -152,17 +152,18 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
 STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
 """The figures of one step's own `lightning_accum.report.StepReport`."""
 
-LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS))
+LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS))
 """Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
 
 
-def every_step_keys(*, has_owner: bool, world_size: int, noise_scale: bool) -> tuple[str, ...]:
+def every_step_keys(*, has_owner: bool, world_size: int, noise_scale: bool, tokens: bool = False) -> tuple[str, ...]:
     """The keys the monitor puts into ``trainer.callback_metrics`` at every optimizer step, not only at logging steps.
 
     Those it knows without a collective or a device sync: the step's batch figures where they are global already (an
     accumulation owner sums them over ranks; plain Lightning counts this rank's batches), the window loss so far on
-    one process (under DDP each rank holds its own sum until a logging step adds them up) and the noise-scale average
-    (averaged over ranks where measured). Memory, throughput and events are figures of a logging interval.
+    one process (under DDP each rank holds its own sum until a logging step adds them up), the noise-scale average
+    (averaged over ranks where measured) and, where the owner splits by ``tokens``, the token budget and the padding
+    (agreed over ranks in the owner's own step). Memory, throughput and events are figures of a logging interval.
 
     Examples:
         >>> every_step_keys(has_owner=True, world_size=2, noise_scale=False) == STEP_KEYS
@@ -173,11 +174,13 @@ def every_step_keys(*, has_owner: bool, world_size: int, noise_scale: bool) -> t
         wanted += (keys.WINDOW_LOSS,)
     if noise_scale and has_owner:
         wanted += keys.NOISE_SCALE_KEYS
+    if tokens and has_owner:
+        wanted += keys.TOKEN_KEYS
     return wanted
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
-    """The batch figures of one step, as `StepFigures.as_metrics` logs them.
+    """The batch figures of one step, as `StepFigures.as_metrics` logs them (and `token_metrics`, by tokens).
 
     Examples:
         >>> step_metrics(StepReport("window", 4, 2, 8, 8.0, 8))["accum/effective_batch_size"]
@@ -189,7 +192,27 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         keys.ACCUMULATION_STEPS: float(report.accumulation_steps),
         keys.ITEMS_PER_STEP: float(report.items),
         keys.OOM_RETRIES: float(report.oom_retries),
+        **token_metrics(report),
     }
+
+
+def token_metrics(report: StepReport) -> dict[str, float]:
+    """The token budget and the padding of a step split by tokens; nothing for a step split by samples.
+
+    Both come in the report, agreed over ranks by the owner: reading them costs no collective and no device sync.
+
+    Examples:
+        >>> token_metrics(StepReport("split", 6, 3, 16, 180.0, 16, micro_batch_tokens=96, padding_fraction=0.25))
+        {'accum/micro_batch_tokens': 96.0, 'accum/padding_fraction': 0.25}
+        >>> token_metrics(StepReport("split", 4, 2, 8, 8.0, 8))
+        {}
+    """
+    if report.micro_batch_tokens is None:
+        return {}
+    metrics = {keys.MICRO_BATCH_TOKENS: float(report.micro_batch_tokens)}
+    if report.padding_fraction is not None:
+        metrics[keys.PADDING_FRACTION] = float(report.padding_fraction)
+    return metrics
 
 
 def mean_loss(loss: LossSum) -> Tensor | float:
@@ -408,6 +431,9 @@ class FitSummary:
         micro-batch 4 to 8, settled at 4 from step 2
         1 OOM recovered (step 2)
         32 samples/s.
+
+    Split by tokens, the micro-batch is its token budget (the samples it holds follow the sequences' lengths), and the
+    padding is the mean over steps of each step's share of positions computed that held no real token.
     """
 
     def __init__(self) -> None:
@@ -415,6 +441,9 @@ class FitSummary:
         self.effective_batch_sizes: set[int] = set()
         self.micro_batch_range: tuple[int, int] | None = None
         self.settled: tuple[int, int] | None = None  # (size, since step)
+        self.token_range: tuple[int, int] | None = None  # split by tokens: the budget's
+        self.token_settled: tuple[int, int] | None = None  # (budget, since step)
+        self.padding: list[float] = []  # split by tokens: each step's padding fraction
         self.oom_steps: list[int] = []
         self.samples = 0
         self._step_samples: list[int] = []  # each step's effective batch size
@@ -450,11 +479,15 @@ class FitSummary:
 
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""
-        size = report.micro_batch_size
-        if self.settled is None or self.settled[0] != size:
-            self.settled = (size, self.steps)
-        low, high = self.micro_batch_range or (size, size)
-        self.micro_batch_range = (min(low, size), max(high, size))
+        self.micro_batch_range, self.settled = _track(
+            self.micro_batch_range, self.settled, report.micro_batch_size, self.steps
+        )
+        if report.micro_batch_tokens is not None:
+            self.token_range, self.token_settled = _track(
+                self.token_range, self.token_settled, report.micro_batch_tokens, self.steps
+            )
+            if report.padding_fraction is not None:
+                self.padding.append(report.padding_fraction)
         self.effective_batch_sizes.add(report.effective_batch_size)
         self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
         for event in report.events:
@@ -477,8 +510,12 @@ class FitSummary:
     def as_dict(self) -> dict[str, float]:
         """The numbers, for a logger."""
         figures: dict[str, float] = {"steps": self.steps, "samples": self.samples, "oom_recovered": len(self.oom_steps)}
-        if self.settled is not None:
+        if self.token_settled is not None:
+            figures["micro_batch_tokens_settled"] = self.token_settled[0]
+        elif self.settled is not None:
             figures["micro_batch_size_settled"] = self.settled[0]
+        if self.padding:
+            figures["padding_fraction_mean"] = sum(self.padding) / len(self.padding)
         if self.seconds > 0:
             figures["samples_per_sec"] = self.samples / self.seconds
         if self.peak_fraction is not None:
@@ -490,7 +527,9 @@ class FitSummary:
         sizes = sorted(self.effective_batch_sizes)
         batch = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}" if sizes else "?"
         parts = [f"lightning_accum: {self.steps} optimizer steps, effective batch {batch} samples"]
-        if self.micro_batch_range is not None and self.settled is not None:
+        if self.token_range is not None and self.token_settled is not None:
+            parts.extend(self._token_text())
+        elif self.micro_batch_range is not None and self.settled is not None:
             low, high = self.micro_batch_range
             span = f"micro-batch {low}" if low == high else f"micro-batch {low} to {high}"
             parts.append(f"{span}, settled at {self.settled[0]} from step {self.settled[1]}")
@@ -503,6 +542,29 @@ class FitSummary:
         if self.seconds > 0:
             parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
         return "; ".join(parts) + "."
+
+    def _token_text(self) -> list[str]:
+        # The budget, where it settled if it moved, and the samples its micro-batches held; then the padding.
+        assert self.token_range is not None and self.token_settled is not None and self.micro_batch_range is not None
+        (low, high), (budget, since) = self.token_range, self.token_settled
+        span = f"{low} tokens" if low == high else f"{low} to {high} tokens, settled at {budget} from step {since}"
+        fewest, most = self.micro_batch_range
+        samples = f"{most} samples" if fewest == most else f"{fewest} to {most} samples"
+        parts = [f"micro-batch budget {span} ({samples})"]
+        if self.padding:
+            mean = sum(self.padding) / len(self.padding)
+            parts.append(f"padding {mean:.0%} of the token positions computed (mean over steps)")
+        return parts
+
+
+def _track(
+    span: tuple[int, int] | None, settled: tuple[int, int] | None, value: int, step: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A size's range over a fit, and the value it holds with the step it has held it since, after ``step``."""
+    if settled is None or settled[0] != value:
+        settled = (value, step)
+    low, high = span or (value, value)
+    return (min(low, value), max(high, value)), settled
 
 
 class TrainingClock:

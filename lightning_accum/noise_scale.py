@@ -36,7 +36,7 @@ from lightning_accum._validation import check_int, check_number
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch < 2.4: no sharded gradients to meet
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment, misc]  # the fallback where torch has no DTensor: mypy reads 2.13
 
 
 def unbiased_estimates(

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -163,6 +163,7 @@ class WindowTotals:
     samples: int
     micro_batches: int
     factor: float
+    extra: tuple[float, ...] = ()  # what the caller asked to sum over ranks along with the counts
 
 
 class WindowNormalizer:
@@ -219,7 +220,7 @@ class WindowNormalizer:
         self._min_items = 0
         self._samples = 0
         self._micro_batches = 0
-        self.first_items: float | Tensor = 0
+        self.first_items = 0
         self.windows_started += 1
 
     @property
@@ -260,6 +261,7 @@ class WindowNormalizer:
         sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
         world_size: int = 1,
         ranks: int | None = None,
+        extra: Sequence[float] = (),
     ) -> WindowTotals:
         """Rescale the accumulated gradients of ``parameters`` to the exact window mean.
 
@@ -269,11 +271,12 @@ class WindowNormalizer:
             world_size: the number of ranks whose gradients DDP averaged (1 when they were summed instead).
             ranks: the number of ranks that took part in the window (default ``world_size``); sets the next
                 divisor where ``k`` is not shared.
+            extra: more figures of this rank to sum over ranks in the same all-reduce (``WindowTotals.extra``).
 
         A window with no items at all (everything masked) has no mean: its gradients are set to ``None`` so that
         the optimizer skips every parameter, and ``factor`` is 0.
         """
-        items, samples, micro_batches, negative_ranks = self._window_counts(sum_across_ranks)
+        items, samples, micro_batches, negative_ranks, *summed = self._window_counts(sum_across_ranks, extra)
         if negative_ranks:
             # Raised on every rank at once (the flag was summed), so no rank is left waiting in a collective.
             raise ValueError(
@@ -288,20 +291,29 @@ class WindowNormalizer:
         else:
             factor = self.divisor * world_size / items
             if factor != 1.0:
-                torch._foreach_mul_([p.grad for p in params], factor)  # type: ignore[misc]
+                # Each is a tensor: `params` holds only the parameters with a gradient.
+                torch._foreach_mul_(cast(list[Tensor], [p.grad for p in params]), factor)
             # Next window's divisor, from global counts only: weights stay near 1/k, and equal on every rank.
             self.scale = items / max(1.0, micro_batches)
             self.items_per_rank = items / (ranks or world_size)
-        return WindowTotals(items=items, samples=int(samples), micro_batches=int(micro_batches), factor=factor)
+        return WindowTotals(items, int(samples), int(micro_batches), factor, tuple(summed))
 
-    def _window_counts(self, sum_across_ranks: Callable[[Tensor], Tensor] | None) -> list[float]:
-        """Items, samples, micro-batches and a bad-count flag of this window, summed over ranks."""
+    def _window_counts(
+        self, sum_across_ranks: Callable[[Tensor], Tensor] | None, extra: Sequence[float] = ()
+    ) -> list[float]:
+        """Items, samples, micro-batches, a bad-count flag and ``extra`` of this window, summed over ranks."""
         counts_are_numbers = not isinstance(self._items, Tensor) and not isinstance(self._min_items, Tensor)
         if sum_across_ranks is None and counts_are_numbers:
             # One process counting with Python numbers: nothing to sum or read back (the common single-device case,
             # where building the tensors below costs more than the rest of the step's bookkeeping).
             bad = not (self._min_items >= 0 and math.isfinite(self._items))
-            return [float(self._items), float(self._samples), float(self._micro_batches), float(bad)]
+            return [
+                float(self._items),
+                float(self._samples),
+                float(self._micro_batches),
+                float(bad),
+                *map(float, extra),
+            ]
         device = self._items.device if isinstance(self._items, Tensor) else torch.device("cpu")
         local = torch.stack(
             [
@@ -309,6 +321,7 @@ class WindowNormalizer:
                 torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
                 torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
                 self._bad_count_flag(device),
+                *(torch.tensor(float(value), dtype=torch.float64, device=device) for value in extra),
             ]
         )
         totals = sum_across_ranks(local) if sum_across_ranks is not None else local

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from lightning_accum._validation import check_int, check_number
-from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.sizes import format_size, format_sizes
 from lightning_accum.planner_settings import PlannerSettings
+from lightning_accum.planner_units import PeakModel, Samples, Tokens
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
 _STATE_VERSION = 1
@@ -210,13 +210,15 @@ class MicroBatchPlanner:
         settings: PlannerSettings | int | Literal["auto"] | None = None,
         *,
         budget_bytes: float | None = None,
+        unit: Samples | None = None,
         **keywords: Any,
     ) -> None:
         self.settings = _settings_from(settings, keywords)
+        self.unit = unit or Samples()  # what a size counts (`lightning_accum.planner_units`)
         if budget_bytes is not None:
             budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
         self.budget_bytes: float | None = budget_bytes
-        self.model = LinearPeakModel()
+        self.model = self.unit.new_model()
         self.events: list[PlannerEvent] = []
         self._limit: int | None = None  # the largest size believed to fit; the size used is balanced below it
         self._step_batch_size: int | None = None
@@ -240,7 +242,7 @@ class MicroBatchPlanner:
         """The size for the last step batch size seen, or ``None`` before `size_for` was called."""
         if self._limit is None:
             return None
-        return _balanced(self._limit, self._step_batch_size, self.settings.min_micro_batch_size)
+        return self.unit.balance(self._limit, self._step_batch_size, self.settings)
 
     def size_for(self, step_batch_size: int) -> int:
         """The micro-batch size for a step batch of ``step_batch_size`` samples.
@@ -252,7 +254,7 @@ class MicroBatchPlanner:
         self._step_batch_size = check_int(step_batch_size, "step_batch_size", 1)
         if self._limit is None:
             self._limit = self._initial_limit(step_batch_size)
-        return _balanced(self._limit, step_batch_size, self.settings.min_micro_batch_size)
+        return self.unit.balance(self._limit, step_batch_size, self.settings)
 
     def start_from(self, size: int) -> None:
         """Start an ``"auto"`` run at ``size`` instead of the whole step batch, e.g. a pre-flight's prediction.
@@ -266,7 +268,7 @@ class MicroBatchPlanner:
         """
         size = check_int(size, "size", 1)
         if self._limit is None:
-            self._limit = max(self.settings.min_micro_batch_size, size)
+            self._limit = max(self.unit.floor(self.settings), size)
 
     def set_step_batch_size(self, step_batch_size: int) -> None:
         """The step batch size that the next `on_step` or `on_oom` balances its answer for.
@@ -300,9 +302,9 @@ class MicroBatchPlanner:
         """
         size = check_int(size, "size", 1)
         step = check_int(step, "step", 0)
-        if size <= self.settings.min_micro_batch_size:
+        if size <= self.unit.floor(self.settings):
             last = (self._history.last_peak, self._history.last_size)
-            raise _out_of_memory(size, step, self.settings.min_micro_batch_size, self.budget_bytes, last, self.model)
+            raise _out_of_memory(size, step, self.unit, self.settings, self.budget_bytes, last, self.model)
         target, reason = size // 2, f"OOM at {size}: halved"
         if self.settings.predictive and self.budget_bytes is not None and self.model.fitted():
             target, reason = _after_oom(size, self.budget_bytes, self.model)
@@ -329,11 +331,11 @@ class MicroBatchPlanner:
         history.retry_streak = history.retry_streak + 1 if retries > 0 else 0
         budget = self.budget_bytes
         settings = self.settings
-        can_shrink = not settings.pin_micro_batch_size and size > settings.min_micro_batch_size
+        can_shrink = not settings.pin_micro_batch_size and size > self.unit.floor(settings)
 
         self.budget_unreachable = None
         if budget is not None and peak > budget:
-            self.budget_unreachable = _out_of_reach(size, peak, budget, settings, history.shrink_start)
+            self.budget_unreachable = _out_of_reach(size, peak, budget, self.unit, settings, history.shrink_start)
             if can_shrink and self.budget_unreachable is None:
                 if history.shrink_start is None:
                     history.shrink_start = (size, peak)
@@ -378,20 +380,20 @@ class MicroBatchPlanner:
             return settings.micro_batch_size
         if settings.predictive and self.budget_bytes is not None and self.model.fitted():
             fit = self.model.largest_fitting(self.budget_bytes, step_batch_size)
-            return max(settings.min_micro_batch_size, fit or 1)
+            return max(self.unit.floor(settings), fit or 1)
         return step_batch_size
 
     def _current(self, size: int) -> int:
         if self._step_batch_size is None:
             return size
-        return _balanced(self._limit or size, self._step_batch_size, self.settings.min_micro_batch_size)
+        return self.unit.balance(self._limit or size, self._step_batch_size, self.settings)
 
     def _observe(self, size: int, peak: float) -> None:
         if self.model.fitted():
             predicted = self.model.predict(size)
             if abs(predicted - peak) > self.settings.refit_tolerance * max(peak, 1.0):
                 # Measurements from an earlier phase of training would bend the new fit; start over.
-                self.model = LinearPeakModel(max_sizes=self.model.max_sizes)
+                self.model = self.unit.new_model(self.model.max_sizes)
                 self._history.shrink_start = None
         self.model.observe(size, peak)
 
@@ -429,7 +431,7 @@ class MicroBatchPlanner:
             self._limit = target
             self._history.shrink_start = None
         else:
-            target = max(self.settings.min_micro_batch_size, min(target, size - 1))
+            target = max(self.unit.floor(self.settings), min(target, size - 1))
             if self.settings.oom_cooldown > 0:
                 self._history.cool_down(size, until=step + self.settings.oom_cooldown)
             self._limit = target
@@ -455,7 +457,7 @@ class MicroBatchPlanner:
         self._limit = _optional(int, state.get("limit"))
         self._step_batch_size = _optional(int, state.get("step_batch_size"))
         self._history = _History.from_state_dict(state)
-        self.model = LinearPeakModel()
+        self.model = self.unit.new_model()
         if "model" in state:
             self.model.load_state_dict(state["model"])
 
@@ -481,17 +483,7 @@ def _settings_from(
     return settings
 
 
-def _balanced(limit: int, step_batch_size: int | None, min_size: int) -> int:
-    """The size used under ``limit``: as many micro-batches as ``limit`` needs, evened out (module docstring)."""
-    if step_batch_size is None:
-        return limit
-    cap = max(1, min(limit, step_batch_size))
-    k = math.ceil(step_batch_size / cap)
-    balanced = math.ceil(step_batch_size / k)  # <= cap because cap >= step_batch_size / k
-    return balanced if balanced >= min(min_size, cap) else cap
-
-
-def _fit_below(model: LinearPeakModel, budget: float, size: int) -> int:
+def _fit_below(model: PeakModel, budget: float, size: int) -> int:
     """The largest size under ``size`` that the fitted ``model`` predicts to fit ``budget``, else half of ``size``.
 
     No size predicted to fit means the fixed part alone passes the budget. Jumping to the minimum would then cost most
@@ -503,7 +495,7 @@ def _fit_below(model: LinearPeakModel, budget: float, size: int) -> int:
     return size // 2 if fit is None else fit
 
 
-def _after_oom(size: int, budget: float, model: LinearPeakModel) -> tuple[int, str]:
+def _after_oom(size: int, budget: float, model: PeakModel) -> tuple[int, str]:
     """The size to retry with after an OOM at ``size``, and why, as the fitted ``model`` sees it."""
     predicted = model.predict(size)
     if predicted > budget:
@@ -518,19 +510,24 @@ def _after_oom(size: int, budget: float, model: LinearPeakModel) -> tuple[int, s
 
 
 def _out_of_reach(
-    size: int, peak: float, budget: float, settings: PlannerSettings, shrink_start: tuple[int, float] | None
+    size: int,
+    peak: float,
+    budget: float,
+    unit: Samples,
+    settings: PlannerSettings,
+    shrink_start: tuple[int, float] | None,
 ) -> str | None:
     """Why shrinking cannot meet the budget: at the smallest size, or after shrinks that hardly lowered the peak.
 
     ``shrink_start`` is the (size, peak) where the current run of over-budget shrinks began.
     """
     fix = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
-    smallest_size = settings.min_micro_batch_size
+    smallest_size = unit.floor(settings)
     if size <= smallest_size:
         peak_text, budget_text = format_sizes(peak, budget)
         return (
             f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
-            f" micro-batch size ({size}): most of the memory does not depend on the micro-batch, so shrinking"
+            f" {unit.noun} ({size}): most of the memory does not depend on the micro-batch, so shrinking"
             " cannot meet the budget." + fix
         )
     if settings.pin_micro_batch_size or shrink_start is None:
@@ -545,20 +542,21 @@ def _out_of_reach(
     texts = format_sizes(peak, budget, start_peak, smallest)
     return (
         f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}), and shrinking the micro-batch does"
-        f" not bring it down: from {start} to {size} samples the peak went from {texts[2]} to {texts[0]}. At"
-        f" that rate even the smallest micro-batch size ({smallest_size}) would peak at {texts[3]}:"
+        f" not bring it down: from {start} to {size} {unit.counts} the peak went from {texts[2]} to {texts[0]}. At"
+        f" that rate even the smallest {unit.noun} ({smallest_size}) would peak at {texts[3]}:"
         " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
-        f" micro-batch size {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
+        f" {unit.noun} {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
     )
 
 
 def _out_of_memory(
     size: int,
     step: int,
-    min_size: int,
+    unit: Samples,
+    settings: PlannerSettings,
     budget: float | None,
     last: tuple[float | None, int | None],
-    model: LinearPeakModel,
+    model: PeakModel,
 ) -> MicroBatchOOMError:
     """The error for an OOM at ``min_size``, with every figure the planner has; ``last`` is the last (peak, size)."""
     last_peak, last_size = last
@@ -568,13 +566,21 @@ def _out_of_memory(
     if model.fitted():
         figures.append(
             f"memory model: {format_size(model.fixed_bytes or 0.0)} fixed"
-            f" + {format_size(model.per_sample_bytes or 0.0)} per sample"
+            f" + {format_size(model.per_sample_bytes or 0.0)} per {unit.counts[:-1]}"
         )
+    if isinstance(unit, Tokens):
+        floor = (
+            f"the step's longest sequence has {unit.floor(settings)} tokens and runs in a micro-batch of its own, so"
+            " shrinking the token budget cannot help it"
+        )
+        fix = " or shorter sequences (`max_length` when tokenizing)."
+    else:
+        floor = f"`min_micro_batch_size` is {settings.min_micro_batch_size}, so the planner cannot shrink further"
+        fix = " or `min_micro_batch_size`."
     return MicroBatchOOMError(
-        f"Out of memory at micro-batch size {size} at step {step}, and `min_micro_batch_size` is"
-        f" {min_size}, so the planner cannot shrink further ({'; '.join(figures)}). Lower the"
-        " memory per sample (mixed precision, activation checkpointing), the fixed memory (a sharded strategy, a"
-        " smaller optimizer state), or `min_micro_batch_size`.",
+        f"Out of memory at {unit.noun} {size} at step {step}, and {floor} ({'; '.join(figures)}). Lower the"
+        f" memory per {unit.counts[:-1]} (mixed precision, activation checkpointing), the fixed memory (a sharded"
+        " strategy, a smaller optimizer state)," + fix,
         micro_batch_size=size,
         step=step,
         budget_bytes=budget,

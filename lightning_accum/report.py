@@ -62,6 +62,10 @@ class StepReport:
         budget_bytes: the memory budget, where the owner has one.
         noise: this window's unbiased estimates ``(|G|², tr(Σ))`` of the gradient noise scale's parts, averaged over
             ranks, when measured (see `lightning_accum.noise_scale`); ``None`` otherwise.
+        micro_batch_tokens: split mode by tokens: the token budget (padded tokens per micro-batch); ``None``
+            otherwise.
+        padding_fraction: split mode by tokens: the share of the token positions the step's micro-batches computed
+            that held no real token, all ranks; ``None`` otherwise.
     """
 
     mode: Mode
@@ -77,6 +81,8 @@ class StepReport:
     peak_bytes: int | None = None
     budget_bytes: float | None = None
     noise: tuple[float, float] | None = None
+    micro_batch_tokens: int | None = None
+    padding_fraction: float | None = None
 
 
 class LossSum:

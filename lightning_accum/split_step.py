@@ -34,7 +34,9 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.planner_units import Tokens
 from lightning_accum.report import LossSum
+from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats
 from lightning_accum.split_sync import SyncPolicy
 from lightning_accum.step_logs import StepLogCombiner
 
@@ -51,9 +53,21 @@ class Agreement(NamedTuple):
     """What every rank learns from one agreement."""
 
     fault: Fault  # the worst over all ranks
-    micro_batch_size: int  # the largest any rank ran, which every rank's planner is told
-    step_batch_size: int  # the largest over ranks, likewise
+    micro_batch_size: int  # the largest any rank ran (samples, or a token budget), which every rank's planner is told
+    step_batch_size: int  # the largest step over ranks in the planner's unit (samples, or tokens), likewise
+    longest: int  # the longest sequence over ranks (by tokens; 0 by samples), likewise
     used: list[bool] | None  # per parameter, whether any rank produced a gradient (`SyncPolicy.carries_used_flags`)
+
+
+class StepFigures(NamedTuple):
+    """What a step measured and ran, the largest over ranks: what every rank's planner is told after the step."""
+
+    peak: int  # bytes
+    alloc_retries: int  # the allocator's, during the step
+    size: int  # the micro-batch size (samples, or the token budget)
+    step_size: int  # the step batch in the planner's unit
+    longest: int  # the longest sequence (by tokens; 0 by samples)
+    largest_samples: int  # samples in the largest micro-batch
 
 
 class _AgreementFailed(RuntimeError):
@@ -74,6 +88,8 @@ class SplitStepRunner:
     Args:
         trainer: the Trainer.
         engine: the owner's accumulation engine (batch hooks, counting, weights).
+        sequences: where the batch's sequences are, to cut by tokens (`lightning_accum.sequences`); ``None`` cuts by
+            samples.
         planner: chooses the micro-batch size; told the agreed figures after an OOM.
         policy: how gradients are held back and synced (`lightning_accum.split_sync`).
         logs: combines the ``self.log`` calls of a step's micro-batches.
@@ -92,11 +108,17 @@ class SplitStepRunner:
         backend: MemoryBackend,
         on_oom: Callable[[int, str], None],
         fault_injector: OOMInjector | None = None,
+        sequences: PaddedSequences | None = None,
     ) -> None:
         self.trainer, self.engine, self.planner, self.policy = trainer, engine, planner, policy
         self.logs, self.backend, self.on_oom, self.fault_injector = logs, backend, on_oom, fault_injector
-        self.size = 0  # this rank's micro-batch size in the current attempt
-        self.step_batch_size = 0  # this rank's step batch
+        self.sequences = sequences
+        self.size = 0  # this rank's micro-batch size in the current attempt, in the planner's unit
+        self.step_batch_size = 0  # this rank's step batch, in samples
+        self.step_size = 0  # ... in the planner's unit (samples, or the tokens of the step in one piece)
+        self.cut: TokenCut | None = None  # the step batch by tokens, read once per step
+        self.tokens: TokenStats | None = None  # what the step's micro-batches computed, by tokens
+        self.largest_samples = 0  # samples in the attempt's largest micro-batch
         self.window_loss = LossSum()  # this rank's loss over the step's items
         self.gradient_allreduces = 0  # collectives the policy issued after the steps, for tests and benchmarks
         self._agreed: Agreement | None = None  # this attempt's agreement before the synced backward, once made
@@ -104,6 +126,7 @@ class SplitStepRunner:
     def __call__(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step; returns what Lightning's automatic optimization expects."""
         trainer = self.trainer
+        self.cut = self.tokens = None
         with self.policy.step():
             while True:
                 outcome, agreed, detail = self._agreed_attempt(context)
@@ -117,6 +140,28 @@ class SplitStepRunner:
             self.logs.replay(batch_size=self.step_batch_size)
         return context.make_result(loss, extra)
 
+    def agreed_figures(self, alloc_retries: int) -> StepFigures:
+        """After the step, on every rank: its figures, the largest over ranks (one small all-reduce).
+
+        The planner is set to the agreed step batch and longest sequence, so that its next decision is every rank's.
+        """
+        longest = self.cut.longest if self.cut is not None else 0
+        local = [self.backend.peak_bytes(), alloc_retries, self.size, self.step_size, longest, self.largest_samples]
+        # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
+        try:
+            agreed = max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64))
+        except Exception as err:
+            raise _AgreementFailed(
+                f"The ranks' agreement on this step's attempt (step {self.trainer.global_step}, its figures after the"
+                f" optimizer step) failed: {describe_error(err)}. Another rank most likely stopped (its process"
+                " exited or crashed) while this one waited for it; that rank's traceback says why."
+            ) from err
+        figures = StepFigures(*map(int, agreed.tolist()))
+        if isinstance(self.planner.unit, Tokens):
+            self.planner.unit.set_longest(figures.longest)
+        self.planner.set_step_batch_size(figures.step_size)
+        return figures
+
     def agree(self, fault: Fault) -> Agreement:
         """The worst fault, and the largest micro-batch and step batch over all ranks: one small all-reduce.
 
@@ -125,20 +170,21 @@ class SplitStepRunner:
         trainer = self.trainer
         params = trainer.lightning_module.parameters() if self.policy.carries_used_flags else ()
         flags = [int(p.grad is not None) for p in params if p.requires_grad]
-        local = [int(fault), self.size, self.step_batch_size, *flags]
+        longest = self.cut.longest if self.cut is not None else 0
+        local = [int(fault), self.size, self.step_size, longest, *flags]
         if trainer.world_size <= 1:
-            return Agreement(fault, self.size, self.step_batch_size, None)
+            return Agreement(fault, self.size, self.step_size, longest, None)
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         try:
-            values = [int(v) for v in max_across_ranks(trainer, tensor).tolist()]
+            values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
         except Exception as err:
             raise _AgreementFailed(
                 f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
                 f" {self.size}) failed: {describe_error(err)}. Another rank most likely stopped (its process exited"
                 " or crashed) while this one waited for it; that rank's traceback says why."
             ) from err
-        used = [bool(v) for v in values[3:]] if self.policy.carries_used_flags else None
-        return Agreement(Fault(values[0]), values[1], values[2], used)
+        used = [bool(v) for v in values[4:]] if self.policy.carries_used_flags else None
+        return Agreement(Fault(values[0]), values[1], values[2], values[3], used)
 
     def _agreed_attempt(self, context: _compat.SplitStepContext) -> tuple[Any, Agreement, str]:
         """One attempt at the step, and what all ranks agreed on: ``(outcome, agreement, OOM detail)``.
@@ -151,9 +197,10 @@ class SplitStepRunner:
         try:
             # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
             with _compat.hook_context(self.trainer.lightning_module):
-                # Inside the agreement: an empty step batch on one rank stops every rank, it never hangs one.
-                self.step_batch_size = _step_batch_size(context, self.engine)
-                self.size = self.planner.size_for(self.step_batch_size)
+                # Inside the agreement: an empty step batch (or a left-padded one) on one rank stops every rank, it
+                # never hangs one.
+                self._read_step(context)
+                self.size = self.planner.size_for(self.step_size)
                 outcome = self._attempt(context)
         except _PeerFault as peer:
             agreed = peer.agreed  # this rank was fine; the agreement before the synced backward said otherwise
@@ -182,6 +229,8 @@ class SplitStepRunner:
         different sizes, and planners told their own would shrink differently (4 -> 2 here, 3 -> 1 there).
         """
         self.planner.set_step_batch_size(agreed.step_batch_size)
+        if isinstance(self.planner.unit, Tokens):
+            self.planner.unit.set_longest(agreed.longest)
         self.planner.on_oom(agreed.micro_batch_size, self.trainer.global_step)  # raises at the minimum, everywhere
         self.on_oom(agreed.micro_batch_size, detail)
         # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
@@ -195,9 +244,14 @@ class SplitStepRunner:
         engine, policy = self.engine, self.policy
         self.logs.clear()
         policy.discard(context.zero_grad)
-        micro_batches = engine.hooks.split(context.batch, self.size)
+        if self.cut is not None:
+            micro_batches = self.cut.split(context.batch, self.size)
+            self.tokens = self.cut.stats(self.size)
+        else:
+            micro_batches = engine.hooks.split(context.batch, self.size)
         counts = [engine.items(micro.batch, micro.size) for micro in micro_batches]
         empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
+        self.largest_samples = max((micro.size for micro in micro_batches), default=0)
         # Ranks whose step batches differ run different numbers of micro-batches: no `k` is shared, so the weights
         # come from a divisor every rank knows alike (the previous step's items per rank).
         engine.open_window(None)
@@ -257,6 +311,23 @@ class SplitStepRunner:
             self.policy.synced_backward(context.backward, loss, empty, trainer.lightning_module.parameters())
         except Exception as err:
             raise self.policy.synced_backward_error(err, self.size, trainer.global_step) from err
+
+    def _read_step(self, context: _compat.SplitStepContext) -> None:
+        """The step batch's size in samples and in the planner's unit; by tokens, its cut (once per step)."""
+        if self.sequences is None:
+            self.step_batch_size = self.step_size = _step_batch_size(context, self.engine)
+            return
+        if self.cut is None:
+            self.step_batch_size = _step_batch_size(context, self.engine)
+            self.cut = self.sequences.cut(context.batch, self.engine.hooks)
+        self.step_size = self.cut.tokens
+        assert isinstance(self.planner.unit, Tokens)
+        self.planner.unit.set_longest(self.cut.longest)
+
+
+def agreement_max(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+    """The agreement's one collective: the element-wise maximum over ranks (tests break the agreement here)."""
+    return max_across_ranks(trainer, tensor)
 
 
 def _step_batch_size(context: _compat.SplitStepContext, engine: AccumulationEngine) -> int:

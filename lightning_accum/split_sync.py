@@ -23,12 +23,18 @@ FSDP2's all-gather at the start of the step (before anything can fail), and the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -77,7 +83,7 @@ class SyncPolicy:
         """The last micro-batch's backward, which syncs (only where `syncs_in_last_backward`)."""
         backward(loss)
 
-    def after_step(self, params: list[Tensor], used: list[bool] | None) -> int:
+    def after_step(self, params: Sequence[Tensor], used: list[bool] | None) -> int:
         """After every rank's last backward succeeded: sync what is left; returns the collectives issued."""
         return 0
 
@@ -93,6 +99,7 @@ class SyncPolicy:
 class DDPDeferred(SyncPolicy):
     """DDP with the sync held back on every micro-batch and done here, once, after every rank's last backward."""
 
+    strategy: DDPStrategy
     name = "`gradient_sync='deferred'`"
     carries_used_flags = True
     sums_gradients = True
@@ -102,15 +109,16 @@ class DDPDeferred(SyncPolicy):
         return contextlib.nullcontext()
 
     def hold_back(self) -> contextlib.AbstractContextManager[None]:
-        return self.strategy.block_backward_sync()  # type: ignore[no-any-return]  # Lightning's is untyped
+        return self.strategy.block_backward_sync()
 
-    def after_step(self, params: list[Tensor], used: list[bool] | None) -> int:
+    def after_step(self, params: Sequence[Tensor], used: list[bool] | None) -> int:
         return all_reduce_gradients(params, _compat.ddp_process_group(self.strategy), used)
 
 
 class DDPOverlap(SyncPolicy):
     """DDP's own sync in the last micro-batch's backward, overlapping communication with computation."""
 
+    strategy: ParallelStrategy  # DDP, or ModelParallelStrategy (FSDP2)
     name = "`gradient_sync='overlap'`"
     syncs_in_last_backward = True
     collective = "DDP's all-reduce"
@@ -127,7 +135,7 @@ class DDPOverlap(SyncPolicy):
         return contextlib.nullcontext()
 
     def hold_back(self) -> contextlib.AbstractContextManager[None]:
-        return self.strategy.block_backward_sync()  # type: ignore[no-any-return]  # Lightning's is untyped
+        return self.strategy.block_backward_sync()
 
     def synced_backward(self, backward: Callable[[Tensor], None], loss: Tensor, empty: bool, params: Any) -> None:
         if empty:

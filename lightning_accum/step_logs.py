@@ -80,12 +80,12 @@ class StepLogCombiner:
                 running = self._records[name] = _Running(_reduction(arguments.get("reduce_fx", "mean")))
             running.add(value, weight, arguments)
 
-        module.log = record  # type: ignore[method-assign]
+        module.log = record  # type: ignore[method-assign]  # this instance's, for the block only
         try:
             yield
         finally:
             if had_own:
-                module.log = previous  # type: ignore[method-assign]
+                module.log = previous  # type: ignore[method-assign, assignment]  # its own attribute, as it was
             else:
                 del module.log
 

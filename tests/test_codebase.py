@@ -1,13 +1,20 @@
-"""The shape the codebase keeps: every function (issue 10) and every class (issue 20) short enough to read."""
+"""The shape the codebase keeps: every function (issue 10) and every class (issue 20) short enough to read, and its
+types checked (issue 20): `tox -e lint` runs mypy, and every `type: ignore` says what it silences and why."""
 
 from __future__ import annotations
 
 import ast
+import configparser
+import re
+import tokenize
 from pathlib import Path
+
+import pytest
 
 import lightning_accum
 
 PACKAGE = Path(lightning_accum.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60  # signature, docstring and body
 MAX_CLASS_LINES = 300  # the same: from `class` to its last line, docstring included
 
@@ -65,3 +72,143 @@ def test_the_check_finds_a_long_class(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(f"class Big:\n{methods}\n\nclass Small:\n    pass\n")
     assert long_classes(tmp_path / "pkg", MAX_CLASS_LINES) == {"pkg/mod.py:Big": 1 + 101 * 2 + 100}
+
+
+# ---- types -------------------------------------------------------------------------------------------------------
+
+TYPE_IGNORE = re.compile(r"#\s*type:\s*ignore\b")
+EXPLAINED_IGNORE = re.compile(r"#\s*type:\s*ignore\[[a-z-]+(?:,\s*[a-z-]+)*\]\s+#\s*\S")
+"""``# type: ignore[code, ...]  # why``: the error codes it silences, then the reason, on the same line."""
+
+
+def unexplained_ignores(root: Path) -> list[str]:
+    """Every ``type: ignore`` comment under ``root`` without error codes in brackets or a reason after them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        with path.open("rb") as source:
+            for token in tokenize.tokenize(source.readline):  # comments only: a string that holds one is not one
+                if token.type != tokenize.COMMENT or not TYPE_IGNORE.search(token.string):
+                    continue
+                if not EXPLAINED_IGNORE.search(token.string):
+                    found.append(f"{path.relative_to(root.parent)}:{token.start[0]} {token.string}")
+    return found
+
+
+def test_every_type_ignore_in_the_package_names_its_codes_and_why():
+    assert unexplained_ignores(PACKAGE) == []
+
+
+def test_the_check_finds_an_unexplained_type_ignore(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "a = f()  # type: ignore\n"
+        "b = f()  # type: ignore[no-any-return]\n"
+        "c = f()  # type: ignore  # no code\n"
+        "d = f()  # type: ignore[assignment, misc]  # torch < 2.4 has none\n"
+        "e = '# type: ignore'\n"
+        "g = f()  # noqa: E501  # type: ignore[arg-type]\n"
+    )
+    assert unexplained_ignores(tmp_path / "pkg") == [
+        "pkg/mod.py:1 # type: ignore",
+        "pkg/mod.py:2 # type: ignore[no-any-return]",
+        "pkg/mod.py:3 # type: ignore  # no code",
+        "pkg/mod.py:6 # noqa: E501  # type: ignore[arg-type]",
+    ]
+
+
+def test_the_lint_env_runs_mypy_pinned_and_strict_over_the_package():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    tox = configparser.ConfigParser()
+    tox.read(ROOT / "tox.ini")
+    lint = tox["testenv:lint"]
+    assert re.search(r"^\s*mypy==[\w.]+\s*$", lint["deps"], re.MULTILINE), lint["deps"]
+    assert "mypy" in [line.split()[0] for line in lint["commands"].splitlines() if line.strip()], lint["commands"]
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert mypy["strict"] is True and mypy["files"] == ["lightning_accum"]
+
+
+# ---- the pure core ------------------------------------------------------------------------------------------------
+
+PURE_MARKER = re.compile(r"\bPure\b[:.]|\bNo Trainer\b")
+"""A module whose docstring says "Pure:", "Pure." or "No Trainer" promises that it imports without Lightning."""
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_level_imports(tree: ast.Module, name: str, is_package: bool) -> set[str]:
+    """What ``name`` imports when it is imported: its top-level imports, not those inside functions or under
+    ``if TYPE_CHECKING:``, relative ones resolved; ``from a import b`` counts ``a`` and ``a.b``."""
+    found: set[str] = set()
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                break
+            if isinstance(sub, ast.Import):
+                found.update(alias.name for alias in sub.names)
+            elif isinstance(sub, ast.ImportFrom):
+                module = sub.module or ""
+                if sub.level:
+                    module = ".".join(base[: len(base) - sub.level + 1] + ([module] if module else []))
+                found.add(module)
+                found.update(f"{module}.{alias.name}" for alias in sub.names)
+    return found
+
+
+def lightning_paths(root: Path) -> tuple[list[str], dict[str, list[str]]]:
+    """The modules under ``root`` that say they are pure, and for each that reaches Lightning when imported, the
+    chain of package modules that leads there (a package's ``__init__`` runs first, so it counts as imported)."""
+    trees = {module_name(p, root): (ast.parse(p.read_text()), p.name == "__init__.py") for p in root.rglob("*.py")}
+    graph = {name: module_level_imports(tree, name, is_package) for name, (tree, is_package) in trees.items()}
+    pure = sorted(name for name, (tree, _) in trees.items() if PURE_MARKER.search(ast.get_docstring(tree) or ""))
+
+    def parents(module: str) -> list[str]:  # importing a.b.c runs a, a.b and a.b.c
+        parts = module.split(".")
+        return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+    reaching: dict[str, list[str]] = {}
+    for start in pure:
+        chain: dict[str, str | None] = {start: None}
+        todo = [start]
+        while todo:
+            current = todo.pop()
+            for imported in sorted(graph[current]):
+                if imported.split(".")[0] == "lightning":
+                    path, step = [imported], current
+                    while step is not None:
+                        path.append(step)
+                        step = chain[step]
+                    reaching[start] = path[::-1]
+                    todo = []
+                    break
+                for module in parents(imported):
+                    if module in graph and module not in chain and module != root.name:
+                        chain[module] = current
+                        todo.append(module)
+    return pure, reaching
+
+
+def test_the_pure_core_imports_no_lightning():
+    pure, reaching = lightning_paths(PACKAGE)
+    assert {"lightning_accum.planner", "lightning_accum.engine", "lightning_accum.sequences"} <= set(pure)
+    assert reaching == {}, "\n".join(" -> ".join(chain) for chain in reaching.values())
+
+
+def test_the_check_finds_lightning_reached_through_another_module(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text('"""A package."""\n')
+    (package / "core.py").write_text('"""Pure: no Trainer."""\nfrom pkg import glue\n')
+    (package / "glue.py").write_text('"""Glue."""\nfrom typing import TYPE_CHECKING\nimport lightning.pytorch as pl\n')
+    (package / "typed.py").write_text(
+        '"""Pure."""\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lightning\n\n'
+        "def f():\n    import lightning\n"
+    )
+    pure, reaching = lightning_paths(package)
+    assert pure == ["pkg.core", "pkg.typed"]
+    assert reaching == {"pkg.core": ["pkg.core", "pkg.glue", "lightning.pytorch"]}

@@ -152,7 +152,17 @@ def split_run(tmp_path: Any, counter: CountTokens) -> tuple[list[Any], list[Any]
     return fit(tmp_path, callback, Sequences(16, seed=1), batch_size=8, split_mode=True)
 
 
-RUNS = {"window": window_run, "split": split_run}
+def token_run(tmp_path: Any, counter: CountTokens) -> tuple[list[Any], list[Any], list[str]]:
+    # Split by tokens: step batches of 8, sorted by length, cut at 24 padded tokens, each trimmed to its longest.
+    from lightning_accum.sequences import PaddedSequences
+
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(), micro_batch_tokens=24, pin_micro_batch_size=True, count_items=counter
+    )
+    return fit(tmp_path, callback, Sequences(16, seed=1), batch_size=8, split_mode=True)
+
+
+RUNS = {"window": window_run, "split": split_run, "tokens": token_run}
 
 
 @pytest.mark.parametrize("mode", list(RUNS))
@@ -167,7 +177,7 @@ def test_counting_every_label_is_wrong_for_a_model_that_shifts_and_warns_once(tm
 @pytest.mark.parametrize("mode", list(RUNS))
 def test_shift_1_counts_what_the_model_averages_over_and_is_exact(tmp_path, mode):
     grads, expected, warned = RUNS[mode](tmp_path, CountTokens("labels", shift=1))
-    assert len(grads) == (3 if mode == "window" else 2)
+    assert len(grads) == (3 if mode == "window" else 2)  # split and tokens: 2 step batches
     h.assert_grads_close(grads, expected, **h.FP32)
     assert warned == []
 
@@ -183,23 +193,42 @@ class SaveSteps(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: CausalLM) -> None:
         figures = {"step_grads": pl_module.step_grads, "step_indices": pl_module.step_indices}
+        owner = next((cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatching)), None)
+        figures["oom_retries"] = owner.oom_retries if owner is not None else 0
         torch.save(figures, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["window", "split"])
+@pytest.mark.parametrize("mode", ["window", "split", "tokens", "tokens, overlap, OOM on rank 1"])
 def test_shift_1_is_exact_under_ddp(tmp_path, mode):
     # Window mode: 7 sequences per rank in micro-batches of 3, k=2 (windows of 2 and 1). Split mode: a step batch of
-    # 8 on each rank, micro-batches of 3. The ranks hold different token counts.
-    split = mode == "split"
+    # 8 on each rank, micro-batches of 3; by tokens, cut at 24 padded tokens, so the ranks' step batches of other
+    # lengths run other numbers of micro-batches. The ranks hold different token counts. The last: by tokens with
+    # overlapped gradient sync, and an OOM in the backward of rank 1's second micro-batch of step 1, which re-runs
+    # that step on both ranks at a smaller budget.
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+    from lightning_accum.sequences import PaddedSequences
+
+    split = mode != "window"
     dataset = Sequences(32 if split else 14, seed=2)
     counter = CountTokens("labels", shift=1)
-    callback = (
-        AutoMicroBatching(3, pin_micro_batch_size=True, count_items=counter)
-        if split
-        else AccumulationScheduler(2, count_items=counter)
-    )
+    callbacks = {
+        "window": lambda: AccumulationScheduler(2, count_items=counter),
+        "split": lambda: AutoMicroBatching(3, pin_micro_batch_size=True, count_items=counter),
+        "tokens": lambda: AutoMicroBatching(
+            sequences=PaddedSequences(), micro_batch_tokens=24, pin_micro_batch_size=True, count_items=counter
+        ),
+        "tokens, overlap, OOM on rank 1": lambda: AutoMicroBatching(
+            sequences=PaddedSequences(),
+            micro_batch_tokens=24,
+            pin_micro_batch_size=True,
+            count_items=counter,
+            gradient_sync="overlap",
+            fault_injector=OOMInjector([OOMFault(step=1, micro_batch=1, phase="backward", rank=1)]),
+        ),
+    }
+    callback = callbacks[mode]()
     model = CausalLM(split_mode=split)
     initial = copy.deepcopy(model)
     strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
@@ -208,6 +237,8 @@ def test_shift_1_is_exact_under_ddp(tmp_path, mode):
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [len(r["step_grads"]) for r in ranks] == [2, 2]
+    if "OOM" in mode:
+        assert [r["oom_retries"] for r in ranks] == [1, 1]  # the fault struck on rank 1; both re-ran the step
     windows = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
     tokens = [sum(len(dataset.ids[i]) for i in r["step_indices"][0]) for r in ranks]
     assert tokens[0] != tokens[1], "the ranks must hold different token counts for this test to bite"

@@ -383,3 +383,64 @@ def test_the_noise_scale_a_schedule_follows_is_logged_instead_of_the_monitors():
     assert metrics.noise_metrics()[keys.GRADIENT_NOISE_SCALE] == 64.0  # the schedule's, which decides k
     assert own.value().windows == 1  # the schedule averages its own measurements
     assert started(log_noise_scale=False).noise_metrics() == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# split mode by tokens: the token budget and the padding (issue 21, item 4)
+# ----------------------------------------------------------------------------------------------------------------
+def token_report(step: int = 0, tokens: int = 96, padding: float = 0.25, **fields: Any) -> StepReport:
+    """A step split by tokens: at a budget of ``tokens``, with ``padding`` of its positions computed holding none."""
+    return report(step, micro_batch_tokens=tokens, padding_fraction=padding, **fields)
+
+
+def test_logging_metrics_by_tokens_add_the_budget_and_the_padding_and_by_samples_nothing():
+    interval = {"samples": 8, "items": 8.0, "window_loss": 0.5, "seconds": 1.0, "budget_bytes": None}
+    memory = MemoryReading(GIB, None, 8 * GIB)
+    by_samples = logging_metrics(report(), memory=memory, **interval)
+    by_tokens = logging_metrics(token_report(micro_batch_size=6, accumulation_steps=5), memory=memory, **interval)
+    assert not set(keys.TOKEN_KEYS) & set(by_samples)
+    assert by_tokens == {
+        **by_samples,
+        keys.MICRO_BATCH_SIZE: 6.0,
+        keys.ACCUMULATION_STEPS: 5.0,
+        keys.MICRO_BATCH_TOKENS: 96.0,
+        keys.PADDING_FRACTION: 0.25,
+    }
+
+
+def test_between_logging_steps_the_token_figures_go_in_with_the_batch_figures():
+    wanted = every_step_keys(has_owner=True, world_size=2, noise_scale=False, tokens=True)
+    assert set(wanted) == {*keys.BATCH_KEYS, keys.OOM_RETRIES, *keys.TOKEN_KEYS}  # global already: no collective
+    every = EveryStepMetrics(wanted, key_prefix="p/")
+    first = every.metrics(token_report(0), LossSum(), {})
+    assert (first["p/" + keys.MICRO_BATCH_TOKENS], first["p/" + keys.PADDING_FRACTION]) == (96.0, 0.25)
+    assert every.metrics(token_report(1), LossSum(), {}) == {}  # the same figures: not again
+    again = every.metrics(token_report(2, padding=0.125), LossSum(), {})  # the padding moves at almost every step
+    assert again["p/" + keys.PADDING_FRACTION] == 0.125 and again["p/" + keys.MICRO_BATCH_TOKENS] == 96.0
+    assert every.metrics(token_report(3, tokens=48, padding=0.125), LossSum(), {})["p/" + keys.MICRO_BATCH_TOKENS] == 48
+
+
+def test_the_progress_bar_text_by_tokens():
+    shown = progress_bar_batch(token_report(micro_batch_size=9, accumulation_steps=3, padding=0.2768))
+    assert shown == {"mb": "9", "k": "3", "mb_tokens": "96", "pad": "0.28"}
+    assert set(progress_bar_batch(report())) == {"mb", "k"}  # by samples: as before
+
+
+def test_the_fit_summary_by_tokens_gives_the_budget_where_it_settled_and_the_mean_padding():
+    summary = FitSummary()
+    steps = [(96, 0.3, 9), (96, 0.2, 6), (48, 0.1, 4), (48, 0.2, 3)]  # (budget, padding, largest micro-batch)
+    for step, (tokens, padding, largest) in enumerate(steps):
+        summary.add(token_report(step, tokens=tokens, padding=padding, micro_batch_size=largest))
+    parts = summary.text().removesuffix(".").split("; ")
+    assert parts == [
+        "lightning_accum: 4 optimizer steps, effective batch 8 samples",
+        "micro-batch budget 48 to 96 tokens, settled at 48 from step 2 (3 to 9 samples)",
+        "padding 20% of the token positions computed (mean over steps)",
+    ]
+    figures = summary.as_dict()
+    assert figures["micro_batch_tokens_settled"] == 48 and figures["padding_fraction_mean"] == pytest.approx(0.2)
+    assert "micro_batch_size_settled" not in figures  # by tokens the samples follow the lengths: nothing settles
+
+    fixed = FitSummary()
+    fixed.add(token_report(0, micro_batch_size=9))
+    assert "; micro-batch budget 96 tokens (9 samples); padding 25% of" in fixed.text()

@@ -358,10 +358,10 @@ class BreakTheAgreement(pl.Callback):
             return
         import lightning_accum.split_step as split_step
 
-        real, failed = split_step.max_across_ranks, []
+        real, failed = split_step.agreement_max, []
 
         def max_across_ranks(trainer_: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
-            # The runner's only collective is the agreement (the figures after each step are the callback's).
+            # The agreement's own collective (`split_step.agreement_max`); the figures after a step gather apart.
             if failed or trainer_.global_step == self.step:
                 failed.append(True)
                 with open(os.path.join(self.out_dir, f"after{trainer_.global_rank}.txt"), "w") as f:
@@ -369,7 +369,7 @@ class BreakTheAgreement(pl.Callback):
                 raise RuntimeError("Connection closed by peer (simulated)")
             return real(trainer_, tensor)
 
-        split_step.max_across_ranks = max_across_ranks
+        split_step.agreement_max = max_across_ranks
 
 
 @pytest.mark.ddp

@@ -82,10 +82,19 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings; causal."""
+    """Grouped-query self-attention with rotary embeddings; causal.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    ``implementation="sdpa"`` calls ``F.scaled_dot_product_attention`` (a fused kernel: its memory grows with the
+    tokens); ``"eager"`` computes the scores of every pair of positions and their softmax in float32, as Hugging
+    Face's ``attn_implementation="eager"`` does, and keeps them for the backward pass (memory that grows with
+    ``tokens x length``).
+    """
+
+    def __init__(self, config: LlamaConfig, implementation: str = "sdpa") -> None:
         super().__init__()
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"`attention` must be 'sdpa' or 'eager', got {implementation!r}.")
+        self.implementation = implementation
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
@@ -100,17 +109,29 @@ class Attention(nn.Module):
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         groups = self.num_heads // self.num_kv_heads
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if self.implementation == "sdpa"
+            else _eager(q, k, v)
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    length = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    probabilities = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return probabilities @ v
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and SwiGLU MLP, each in a residual branch."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, attention: str = "sdpa") -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, attention)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -131,6 +152,8 @@ class LlamaLM(pl.LightningModule):
             ``torch.utils.checkpoint``), keeping only its input alive between the passes.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        attention: ``"sdpa"`` (a fused kernel) or ``"eager"`` (the scores of every pair of positions, kept), see
+            `Attention`.
     """
 
     def __init__(
@@ -139,6 +162,7 @@ class LlamaLM(pl.LightningModule):
         activation_checkpointing: bool = False,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
+        attention: str = "sdpa",
     ) -> None:
         super().__init__()
         config = LlamaConfig(**config) if isinstance(config, dict) else (config or LLAMA3_8B)
@@ -146,7 +170,7 @@ class LlamaLM(pl.LightningModule):
         self.activation_checkpointing = activation_checkpointing
         self.lr, self.weight_decay = lr, weight_decay
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -187,3 +211,32 @@ def random_tokens(micro_batch_size: int, seq_len: int = 2048, vocab_size: int = 
 def tiny_tokens(micro_batch_size: int, seq_len: int = 32) -> dict:
     """`random_tokens` for the `TINY` configuration."""
     return random_tokens(micro_batch_size, seq_len, TINY.vocab_size)
+
+
+def padded_tokens(
+    micro_batch_size: int,
+    seq_len: int = 2048,
+    vocab_size: int = LLAMA3_8B.vocab_size,
+    median_length: int | None = None,
+    sigma: float = 0.8,
+    min_length: int = 16,
+    seed: int = 0,
+) -> dict:
+    """Right-padded random sequences, as a tokenizer pads a batch: ``input_ids``, ``attention_mask`` and ``labels``.
+
+    Each is ``(micro_batch_size, seq_len)``. Every sequence is ``seq_len`` long, or with ``median_length`` its length
+    is log-normal around it (``sigma`` the spread of its log), between ``min_length`` and ``seq_len``, drawn from
+    ``seed``. ``labels`` are the next tokens, -100 past each sequence's last one, as `LlamaLM.training_step` reads them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if median_length is None:
+        lengths = torch.full((micro_batch_size,), seq_len)
+    else:
+        drawn = (torch.randn(micro_batch_size, generator=g) * sigma).exp() * median_length
+        lengths = drawn.round().clamp(min(min_length, seq_len), seq_len).long()
+    tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len + 1), generator=g)
+    positions = torch.arange(seq_len + 1)[None, :]
+    tokens = tokens.masked_fill(positions >= lengths[:, None], 0)
+    mask = (positions[:, :-1] < lengths[:, None]).long()
+    labels = tokens[:, 1:].masked_fill(positions[:, 1:] >= lengths[:, None], -100)
+    return {"input_ids": tokens[:, :-1], "attention_mask": mask, "labels": labels}

@@ -50,9 +50,8 @@ def broadcast_ddp_buffers(strategy: Any) -> None:
     model = getattr(strategy, "model", None)
     if not isinstance(model, DistributedDataParallel) or getattr(strategy, "world_size", 1) <= 1:
         return
-    # torch leaves these two methods unannotated; both are plain calls (a bool, and the broadcast).
-    if model.will_sync_module_buffers():  # type: ignore[no-untyped-call]
-        model._sync_buffers()  # type: ignore[no-untyped-call]
+    if model.will_sync_module_buffers():
+        model._sync_buffers()
     model.require_forward_param_sync = False
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 # ---------------------------------------------------------------------------------------------------------------
 # Finding FSDP2's modules and state
@@ -81,7 +81,7 @@ def _is_dtensor(tensor: Tensor) -> bool:
 _COMPOSABLE_STATE_PREFIX = "__composable_api_state_key"
 
 
-def fsdp2_unwrapped(module: Any) -> tuple[type, dict[str, Any]]:
+def fsdp2_unwrapped(module: Any) -> tuple[type[nn.Module], dict[str, Any]]:
     """The class ``fully_shard`` wrapped in ``module``'s, and ``module``'s state without FSDP2's hooks and state.
 
     What a plain copy of one FSDP2 module is made of: the pre-flight's fake copy of a sharded model runs it without
@@ -104,7 +104,8 @@ def fsdp2_unwrapped(module: Any) -> tuple[type, dict[str, Any]]:
         if name in hook_dicts:  # the `*_with_kwargs` and `*_always_called` dicts are keyed by the same handle ids
             value = type(value)((key, hook) for key, hook in value.items() if key not in fsdp_hooks)
         plain[name] = value
-    return cls, plain
+    # `fully_shard` made the wrapper class from (FSDPModule, the module's class): `cls` is that nn.Module class.
+    return cast(type[nn.Module], cls), plain
 
 
 def _is_fsdp2_hook(hook: Any) -> bool:

@@ -63,8 +63,8 @@ def install_window_control(
             return original_make_zero_grad_fn(batch_idx, optimizer)
 
     # An instance attribute shadows the method on purpose (this trainer only); `uninstall` pops it again.
-    epoch_loop._accumulated_batches_reached = window_complete  # type: ignore[method-assign]
-    automatic._make_zero_grad_fn = _make_zero_grad_fn  # type: ignore[method-assign]
+    epoch_loop._accumulated_batches_reached = window_complete  # type: ignore[method-assign]  # shadowed on purpose
+    automatic._make_zero_grad_fn = _make_zero_grad_fn  # type: ignore[method-assign]  # shadowed on purpose
 
     def uninstall() -> None:
         for owner, name in ((epoch_loop, "_accumulated_batches_reached"), (automatic, "_make_zero_grad_fn")):
@@ -187,7 +187,7 @@ def install_split_closure(trainer: pl.Trainer, run_step: Callable[[SplitStepCont
         return Closure(step_fn=lambda: run_step(context), backward_fn=None, zero_grad_fn=None)
 
     # An instance attribute shadows the method on purpose (this trainer only); the undo pops it again.
-    automatic._make_closure = _make_closure  # type: ignore[method-assign]
+    automatic._make_closure = _make_closure  # type: ignore[method-assign]  # shadowed on purpose
     return lambda: automatic.__dict__.pop("_make_closure", None)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -60,7 +60,7 @@ def override_estimated_stepping_batches(trainer: pl.Trainer, estimate: Callable[
     return undo
 
 
-def set_callback_metrics(trainer: pl.Trainer, metrics: dict[str, float | torch.Tensor]) -> None:
+def set_callback_metrics(trainer: pl.Trainer, metrics: Mapping[str, float | torch.Tensor]) -> None:
     """Make ``metrics`` part of ``trainer.callback_metrics``, where ModelCheckpoint and EarlyStopping look.
 
     ``self.log(..., logger=False)`` does the same but costs about 2 ms per key from a callback hook (each key is a
@@ -87,7 +87,7 @@ def checkpoint_step_schedule(checkpoint: Any) -> tuple[int, bool]:
     return (every if isinstance(every, int) else 0), getattr(checkpoint, "_train_time_interval", None) is not None
 
 
-def set_progress_bar_metrics(trainer: pl.Trainer, metrics: dict[str, float | int | str]) -> None:
+def set_progress_bar_metrics(trainer: pl.Trainer, metrics: Mapping[str, float | int | str]) -> None:
     """Show ``metrics`` in Lightning's progress bar (TQDM or Rich), as ``self.log(..., prog_bar=True)`` would.
 
     Both bars read ``trainer.progress_bar_metrics`` (``ProgressBar.get_metrics``), which returns the connector's own

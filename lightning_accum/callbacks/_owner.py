@@ -19,16 +19,16 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
-from lightning_accum.engine import AccumulationEngine, ClosedWindow, Ranks
+from lightning_accum.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
 from lightning_accum.noise_scale import NoiseScaleEstimator
-from lightning_accum.normalization import ItemCounter, LossReduction, WindowNormalizer
+from lightning_accum.normalization import ItemCounter, LossReduction
 from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.splitting import BatchHooks
 
 log = logging.getLogger("lightning_accum")
 
 
-class AccumulationOwner(Callback):
+class AccumulationOwner(HoldsEngine, Callback):
     """Base of the callbacks that own gradient accumulation. Not used directly.
 
     It holds the `lightning_accum.engine.AccumulationEngine` (counting, the exactness arithmetic, the schedule, the
@@ -47,24 +47,6 @@ class AccumulationOwner(Callback):
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
 
-    # What the engine holds, by the names callers and older tests use.
-    @property
-    def count_items(self) -> ItemCounter | None:
-        return self.engine.count_items
-
-    @property
-    def loss_reduction(self) -> LossReduction:
-        return self.engine.loss_reduction
-
-    @property
-    def normalizer(self) -> WindowNormalizer:
-        return self.engine.normalizer
-
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed since the start of training, all ranks (restored on resume)."""
-        return self.engine.consumed_samples
-
     @property
     def _hooks(self) -> BatchHooks:
         return self.engine.hooks
@@ -74,14 +56,15 @@ class AccumulationOwner(Callback):
     # ----------------------------------------------------------------------------------------------------------
     def _claim(self, trainer: pl.Trainer) -> None:
         """Refuse a second owner, and run first among the callbacks."""
-        others = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, AccumulationOwner)]
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
+        others = [cb for cb in callbacks if cb is not self and isinstance(cb, AccumulationOwner)]
         if others:
             raise RuntimeError(
                 f"`{type(self).__name__}` and `{type(others[0]).__name__}` both want to own gradient accumulation."
                 " Keep one of them."
             )
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        callbacks.remove(self)
+        callbacks.insert(0, self)
 
     def _install(self, undo: Callable[[], None]) -> None:
         """Remember how to undo something installed on the trainer."""
@@ -151,7 +134,7 @@ class AccumulationOwner(Callback):
         engine.capture_first_gradient(trainer.global_step, gradients, _compat.gradient_scale(trainer))
 
     def _close_window(
-        self, trainer: pl.Trainer, optimizer: Optimizer, averaged_over: int | None = None
+        self, trainer: pl.Trainer, optimizer: Optimizer, averaged_over: int | None = None, extra: Any = ()
     ) -> ClosedWindow:
         """At the optimizer step: the window's exact gradient, its noise scale and its totals (every rank alike)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -162,6 +145,7 @@ class AccumulationOwner(Callback):
             averaged_over,
             # Rank-consistent: the meter's collective runs on every rank or on none.
             measure_noise=not self._syncs_first_micro_batch(trainer),
+            extra=extra,
         )
 
     # ----------------------------------------------------------------------------------------------------------
@@ -188,8 +172,12 @@ class AccumulationOwner(Callback):
         loss: LossSum,
         peak_bytes: int | None = None,
         budget_bytes: float | None = None,
+        tokens: tuple[int, float] | None = None,
     ) -> None:
-        """Publish the report of the optimizer step whose window the engine just closed."""
+        """Publish the report of the optimizer step whose window the engine just closed.
+
+        ``tokens``: the token budget and the padding fraction (split mode by tokens).
+        """
         totals = closed.totals
         report = StepReport(
             mode=mode,
@@ -205,6 +193,8 @@ class AccumulationOwner(Callback):
             peak_bytes=peak_bytes,
             budget_bytes=budget_bytes,
             noise=closed.noise,
+            micro_batch_tokens=None if tokens is None else tokens[0],
+            padding_fraction=None if tokens is None else tokens[1],
         )
         self._publish(report)
 

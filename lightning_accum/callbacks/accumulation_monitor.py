@@ -19,6 +19,7 @@ from lightning_accum import _compat
 from lightning_accum._cli_types import Decay, PositiveInt
 from lightning_accum._validation import check_bool, check_int
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
+from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.engine import Ranks
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
 from lightning_accum.memory.backends import backend_for
@@ -79,6 +80,11 @@ class AccumulationMonitor(Callback):
         ``accum/gradient_noise_scale``      items        with ``gradient_noise_scale=True`` (also
                                                          ``accum/grad_sq_norm``, ``accum/grad_trace_cov``,
                                                          ``accum/noise_scale_skipped``)
+        ``accum/micro_batch_tokens``        tokens       split by tokens, every logging step: the token
+                                                         budget of the last step (max over ranks)
+        ``accum/padding_fraction``          fraction     split by tokens, every logging step: the last
+                                                         step's positions computed that held no real
+                                                         token, all ranks
         ``events/*``                        size after   at the logging step that follows the event
         ==================================  ===========  ==================================================
 
@@ -98,10 +104,11 @@ class AccumulationMonitor(Callback):
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
         progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
             (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
-            Lightning's progress bar.
+            Lightning's progress bar; split by tokens, also the token budget (``mb_tokens``) and the padding (``pad``).
         summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
-            settled, OOMs recovered and their steps, the peak against the budget, throughput) and log its figures to
-            every logger's hyperparameters under ``lightning_accum_summary``.
+            settled, or by tokens the token budget's and the mean padding, OOMs recovered and their steps, the peak
+            against the budget, throughput) and log its figures to every logger's hyperparameters under
+            ``lightning_accum_summary``.
         key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
         per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
 
@@ -153,7 +160,7 @@ class AccumulationMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._owner = owner = find_owner(trainer.callbacks)
+        self._owner = owner = find_owner(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
         noise_in_use = None
         if self.gradient_noise_scale:
             if owner is None:
@@ -161,12 +168,13 @@ class AccumulationMonitor(Callback):
             owner.measure_noise_scale(every=self.noise_scale_interval)
             noise_in_use = owner.noise_scale_in_use()  # where a schedule follows it, its average: it decides k
         has_owner, noise = owner is not None, self.gradient_noise_scale
-        wanted = every_step_keys(has_owner=has_owner, world_size=trainer.world_size, noise_scale=noise)
+        tokens = isinstance(owner, AutoMicroBatching) and owner.sequences is not None  # the token keys are logged
+        wanted = every_step_keys(has_owner=has_owner, world_size=trainer.world_size, noise_scale=noise, tokens=tokens)
         self._warn_late_readers(trainer, wanted)
         self._windows = LightningWindows(trainer.global_step)
         # Here, not at fit start: the owner resolves its memory budget (part of its settings) in its on_train_start,
         # which runs before ours because the owner moves itself to the front of the callbacks.
-        self._setup_wandb(trainer)
+        self._setup_wandb(trainer, tokens=tokens)
         last = owner.last_step_report if owner is not None else None
         self._metrics.start(wanted, has_owner=has_owner, noise_in_use=noise_in_use, last_report=last)
 
@@ -188,7 +196,7 @@ class AccumulationMonitor(Callback):
         """Warn about each ``ModelCheckpoint`` that reads a key between the logging steps, where it is not refreshed."""
         readers = [
             (cb.monitor, *_compat.checkpoint_step_schedule(cb))
-            for cb in trainer.callbacks
+            for cb in trainer.callbacks  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             if isinstance(cb, ModelCheckpoint) and isinstance(cb.monitor, str)
         ]
         every = self._logging_every(trainer)
@@ -201,13 +209,13 @@ class AccumulationMonitor(Callback):
         loggers = trainer.loggers if trainer.is_global_zero else []
         return [logger.experiment for logger in loggers if isinstance(logger, WandbLogger)]
 
-    def _setup_wandb(self, trainer: pl.Trainer) -> None:
+    def _setup_wandb(self, trainer: pl.Trainer, *, tokens: bool) -> None:
         runs = self._wandb_runs(trainer)
         owner = self._owner.settings() if runs and self._owner is not None else None
         world_size, k, logging_every = trainer.world_size, trainer.accumulate_grad_batches, self._logging_every(trainer)
         settings = run_config(owner, accumulate_grad_batches=k, world_size=world_size, logging_every=logging_every)
         for run in runs:
-            define_metrics(run, self.key_prefix)
+            define_metrics(run, self.key_prefix, tokens=tokens)
             record_config(run, settings)
 
     # Validation inside fit is not training throughput.
@@ -244,7 +252,7 @@ class AccumulationMonitor(Callback):
                 _compat.set_callback_metrics(trainer, metrics)
 
     def _logging_every(self, trainer: pl.Trainer) -> int:
-        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
 
     def _log(self, trainer: pl.Trainer, step: int) -> None:
         """A logging step: every rank runs it, in the same order (it holds collectives)."""

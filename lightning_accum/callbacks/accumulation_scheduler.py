@@ -165,7 +165,7 @@ class AccumulationScheduler(AccumulationOwner):
                 " of the DeepSpeed config). For exact token-weighted windows, shard with `ModelParallelStrategy` and"
                 " `fully_shard` (FSDP2) instead, which this callback supports."
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             raise RuntimeError(
                 "`AccumulationScheduler` and Lightning's `GradientAccumulationScheduler` both want to own `k`."
                 " Remove `GradientAccumulationScheduler` and pass its `scheduling` dict as `schedule=`."

@@ -8,6 +8,7 @@ what each step did.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,12 +33,16 @@ from lightning_accum.callbacks._owner import AccumulationOwner, log_info
 from lightning_accum.distributed import max_across_ranks
 from lightning_accum.engine import ClosedWindow
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
-from lightning_accum.memory.budget import GIB, budget_bytes, check_max_memory, over_capacity_warning
+from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
+from lightning_accum.memory.sizes import format_size
 from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.planner import MicroBatchPlanner, PlannerSettings
+from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.planner_settings import PlannerSettings
+from lightning_accum.planner_units import Tokens
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
 from lightning_accum.report import AccumulationEvent
+from lightning_accum.sequences import PaddedSequences, TokenCut
 from lightning_accum.split_step import SplitStepRunner
 from lightning_accum.split_sync import (
     GRADIENT_SYNCS,
@@ -49,7 +54,7 @@ from lightning_accum.split_sync import (
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn
 from lightning_accum.step_logs import StepLogCombiner
 
-__all__ = ["AutoMicroBatching", "GradientSync", "overlap_wait_warning", "start_from_preflight"]
+__all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]
 
 
 class AutoMicroBatching(AccumulationOwner):
@@ -64,9 +69,8 @@ class AutoMicroBatching(AccumulationOwner):
     * **Cold start without an OOM.** With ``micro_batch_size="auto"``, the first step is traced on fake tensors at
       two micro-batch sizes (nothing is allocated), and the run starts at the largest size predicted to fit
       (`lightning_accum.probe.preflight`). Where tracing fails, it starts from the whole step batch as before.
-    * **OOM recovery.** An out-of-memory error in any micro-batch's forward or backward discards the attempt's
-      gradients, frees memory, shrinks ``b`` and re-runs the same step batch: no sample is lost or counted twice.
-      Every rank learns of the OOM through one small all-reduce and retries together.
+    * **OOM recovery.** An out-of-memory error in any forward or backward discards the attempt, shrinks ``b`` and
+      re-runs the same step batch on every rank (one small all-reduce): no sample is lost or counted twice.
     * **Before memory runs out, and growing back.** A step whose peak passes the budget (or whose allocator retries
       keep rising) makes the next use a smaller ``b``, predicted from a linear model of the measured peaks; ``b``
       grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
@@ -78,19 +82,26 @@ class AutoMicroBatching(AccumulationOwner):
       raises, and the others stop when it exits or at the process group's timeout). FSDP2 (``ModelParallelStrategy``
       with ``fully_shard``, data-parallel only) gathers the parameters once per step and reduce-scatters in the last
       backward, as ``"overlap"`` does. Ranks whose step batches differ run different numbers of micro-batches.
+    * **By tokens** (``sequences=PaddedSequences(...)``): each step batch is ordered by sequence length and cut
+      into micro-batches of at most ``micro_batch_tokens`` padded tokens, each trimmed to its longest sequence
+      (`lightning_accum.sequences`); the planner chooses the token budget as it chooses ``b``.
     * **Empty micro-batches.** A micro-batch whose ``count_items`` is 0 contributes nothing: its backward is skipped,
       so a mean over no items (``0 / 0 = NaN``) reaches neither the gradient nor the window loss nor ``self.log``.
     * **Batch norm** normalizes each micro-batch over its own samples, so a model with batch-norm layers gets a
       different (not exact) update; a warning says so at setup.
 
-    ``self.log`` calls in ``training_step`` are combined into one value per step (see `lightning_accum.step_logs`).
-    ``training_step`` outputs other than the loss are those of the last micro-batch.
+    ``self.log`` calls are combined into one value per step (`lightning_accum.step_logs`); other outputs of
+    ``training_step`` than the loss are the last micro-batch's.
 
     Args:
         micro_batch_size: ``"auto"`` starts where the pre-flight trace predicts the step fits (see ``preflight``;
             without it, from the whole step batch); an int starts there and still shrinks on OOM.
         max_memory: the peak-memory budget: a fraction of the device's capacity in (0, 1], a number of bytes, or a
             size such as ``"8GiB"``. ``None`` means 0.9 of capacity.
+        sequences: where the batch's right-padded sequences are (`lightning_accum.sequences.PaddedSequences`), to
+            split by padded tokens instead of samples. ``None`` splits by samples.
+        micro_batch_tokens: with ``sequences``, the token budget as ``micro_batch_size`` is otherwise: ``"auto"``,
+            or an int (padded tokens per micro-batch) to start from.
         min_micro_batch_size: never split finer than this; an OOM at this size raises an error with the memory
             figures.
         count_items: counts the items of a micro-batch (default: its samples).
@@ -102,12 +113,10 @@ class AutoMicroBatching(AccumulationOwner):
         predictive: predict sizes from the fitted memory model instead of halving and doubling.
         gradient_sync: ``"deferred"`` (OOM-safe under DDP) or ``"overlap"`` (faster, not OOM-safe in the last
             backward). ``None`` (the default) means ``"deferred"``, and ``"overlap"`` under FSDP2.
-        split_batch: cuts a step batch the built-in rules can't: ``split_batch(batch, micro_batch_size)`` returns a
-            list of micro-batches of at most ``micro_batch_size`` samples that add up to the step batch (or an import
-            path to such a function). Default: a ``split_batch`` method of the LightningModule, else the built-in
-            rules (`lightning_accum.splitting`).
-        batch_size_of: counts the samples of a batch, ``batch_size_of(batch) -> int`` (or an import path). Default:
-            a ``batch_size_of`` method of the LightningModule, else the built-in rules.
+        split_batch: ``split_batch(batch, micro_batch_size)`` returns the micro-batches (or its import path), for a
+            batch the built-in rules (`lightning_accum.splitting`) can't cut. Default: a method of the module.
+        batch_size_of: ``batch_size_of(batch) -> int`` counts a batch's samples (or its import path). Default: a
+            method of the module, else the built-in rules.
         fault_injector: raises simulated OOMs at chosen points, for testing recovery.
         preflight: with ``micro_batch_size="auto"`` and ``predictive=True``, trace the first step on fake tensors
             and start at the largest size predicted to fit, keeping 10% of the free memory for what the trace can't
@@ -136,6 +145,8 @@ class AutoMicroBatching(AccumulationOwner):
         micro_batch_size: MicroBatchSize = PlannerSettings.micro_batch_size,
         *,
         max_memory: MemorySize | None = None,
+        sequences: PaddedSequences | None = None,
+        micro_batch_tokens: MicroBatchSize = "auto",
         min_micro_batch_size: PositiveInt = PlannerSettings.min_micro_batch_size,
         count_items: ItemCounter | ImportPath | None = None,
         loss_reduction: LossReduction = "mean",
@@ -161,11 +172,12 @@ class AutoMicroBatching(AccumulationOwner):
         self.preflight = check_bool(preflight, "preflight")
         self.preflight_result: Preflight | None = None  # what the cold start's trace found (this rank's)
         # Resolved against the LightningModule at setup: an argument wins over a method of the module.
-        self._hook_arguments = {"split_batch": split_batch, "batch_size_of": batch_size_of}
-        self.engine.resolve_hooks(None, **self._hook_arguments)  # checks the arguments now
+        self._split_batch, self._batch_size_of = split_batch, batch_size_of
+        self.engine.resolve_hooks(None, split_batch=split_batch, batch_size_of=batch_size_of)  # checks them now
+        self.sequences = check_sequences(sequences, micro_batch_size, micro_batch_tokens, split_batch)
         # The settings validate the sizes and thresholds; the budget is set once the device is known.
         settings = PlannerSettings(
-            micro_batch_size,
+            micro_batch_tokens if sequences is not None else micro_batch_size,
             min_micro_batch_size=min_micro_batch_size,
             pin_micro_batch_size=pin_micro_batch_size,
             low_watermark=low_watermark,
@@ -173,7 +185,7 @@ class AutoMicroBatching(AccumulationOwner):
             oom_cooldown=oom_cooldown,
             predictive=predictive,
         )
-        self.planner = MicroBatchPlanner(settings)
+        self.planner = MicroBatchPlanner(settings, unit=Tokens() if sequences is not None else None)
         self._runner: SplitStepRunner | None = None  # one per fit, built at the start of training
         self._backend: MemoryBackend | None = None
         self._retries_at_start = 0
@@ -195,7 +207,7 @@ class AutoMicroBatching(AccumulationOwner):
         _refuse_what_split_mode_cannot_run(trainer, pl_module)
         strategy = trainer.strategy
         self.gradient_sync = resolve_gradient_sync(strategy, self._gradient_sync_given)
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
         backend = getattr(strategy, "process_group_backend", None)
@@ -204,7 +216,7 @@ class AutoMicroBatching(AccumulationOwner):
         )
         if warning:
             rank_zero_warn(warning)
-        self.engine.resolve_hooks(pl_module, **self._hook_arguments)
+        self.engine.resolve_hooks(pl_module, split_batch=self._split_batch, batch_size_of=self._batch_size_of)
         self._claim(trainer)
 
     @override
@@ -225,19 +237,17 @@ class AutoMicroBatching(AccumulationOwner):
             policy,
             StepLogCombiner(pl_module),
             backend,
-            on_oom=lambda size, detail: self._recovered_from_oom(trainer, size, detail),
+            on_oom=self._recovered_from_oom,
             fault_injector=self.fault_injector,
+            sequences=self.sequences,
         )
         self._install(_compat.install_split_closure(trainer, self._runner))
         planner = self.planner
-        self._cold = (
-            self.preflight
-            and planner.predictive
-            and planner.micro_batch_size_setting == "auto"
-            and planner.micro_batch_size is None  # not resumed with a size already chosen
-        )
+        # "auto", not resumed with a size already chosen: the first step is traced.
+        self._cold = self.preflight and planner.predictive and planner.micro_batch_size_setting == "auto"
+        self._cold = self._cold and planner.micro_batch_size is None
         log_info(
-            f"lightning_accum: split mode, memory budget {budget / GIB:.2f} GiB of {capacity / GIB:.2f} GiB"
+            f"lightning_accum: split mode, memory budget {format_size(budget)} of {format_size(capacity)}"
             f" ({backend.name})"
         )
 
@@ -256,6 +266,7 @@ class AutoMicroBatching(AccumulationOwner):
             "gradient_sync": self.gradient_sync,
             "split_batch": self._hooks.split_batch_source,
             "preflight": self.preflight,
+            **({"sequences": repr(self.sequences)} if self.sequences is not None else {}),
         }
 
     @override
@@ -286,15 +297,14 @@ class AutoMicroBatching(AccumulationOwner):
             self._size_shrunk = False
         if self._cold:
             self._cold = False
-            self.preflight_result = start_from_preflight(
-                trainer, pl_module, batch, self.planner, self._hooks, self._backend
-            )
+            cold = PreflightStart(trainer, pl_module, batch, self.planner, self._hooks, self._backend, self.sequences)
+            self.preflight_result = cold.run()
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
 
-    def _recovered_from_oom(self, trainer: pl.Trainer, size: int, detail: str) -> None:
+    def _recovered_from_oom(self, size: int, detail: str) -> None:
         self.oom_retries += 1
-        log_info(f"lightning_accum: OOM at micro-batch size {size} ({detail}); retrying the step")
+        log_info(f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step")
         self._take_planner_events()
 
     @override
@@ -303,8 +313,10 @@ class AutoMicroBatching(AccumulationOwner):
     ) -> None:
         runner = self._runner
         assert runner is not None
-        # The deferred sync summed the buffers over ranks; DDP's own sync averaged them.
-        self._closed = self._close_window(trainer, optimizer, 1 if runner.policy.sums_gradients else None)
+        # The deferred sync summed the buffers over ranks; DDP's own sync averaged them. By tokens, the padded and
+        # real tokens are summed over ranks in the same all-reduce as the window's counts.
+        tokens = () if runner.tokens is None else (runner.tokens.padded, runner.tokens.real)
+        self._closed = self._close_window(trainer, optimizer, 1 if runner.policy.sums_gradients else None, tokens)
 
     @override
     def on_train_batch_end(
@@ -312,28 +324,22 @@ class AutoMicroBatching(AccumulationOwner):
     ) -> None:
         backend, runner = self._backend, self._runner
         assert backend is not None and runner is not None
-        retries = backend.alloc_retries() - self._retries_at_start
-        local = [backend.peak_bytes(), retries, runner.size, runner.step_batch_size]
-        # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
-        agreed = max_across_ranks(trainer, torch.tensor(local, dtype=torch.int64)).tolist()
-        peak, retries, size, step_batch_size = (int(v) for v in agreed)
-        self.planner.set_step_batch_size(step_batch_size)
-        planned = self.planner.on_step(size, peak_bytes=peak, step=trainer.global_step, alloc_retries_delta=retries)
+        figures = runner.agreed_figures(backend.alloc_retries() - self._retries_at_start)
+        peak, size = figures.peak, figures.size
+        planned = self.planner.on_step(size, peak, trainer.global_step, figures.alloc_retries)
         self._size_shrunk = planned < size
-        self._warn_if_budget_unreachable()
+        if self.planner.budget_unreachable is not None and not self._warned_unreachable:
+            # Shrinking cannot meet the budget (at the smallest size, or shrinks did not lower the peak): say it once.
+            self._warned_unreachable = True
+            rank_zero_warn(self.planner.budget_unreachable)
         if self._closed is not None:
             closed, self._closed = self._closed, None
-            self._publish_step("split", size, closed, runner.window_loss, peak, self.planner.budget_bytes)
+            tokens = _token_figures(size, closed) if self.sequences is not None else None
+            samples = figures.largest_samples if self.sequences is not None else size
+            self._publish_step("split", samples, closed, runner.window_loss, peak, self.planner.budget_bytes, tokens)
         # A shrink or grow decided now applies from the next step on: it is reported with that step, where the
         # logged micro-batch size changes (an OOM's events belong to the step that recovered, reported above).
         self._take_planner_events()
-
-    def _warn_if_budget_unreachable(self) -> None:
-        # The planner says when shrinking cannot meet the budget (at the smallest size, or shrinks that did not lower
-        # the peak); once per fit is enough.
-        if self.planner.budget_unreachable is not None and not self._warned_unreachable:
-            self._warned_unreachable = True
-            rank_zero_warn(self.planner.budget_unreachable)
 
     def _take_planner_events(self) -> None:
         for event in self.planner.take_events():
@@ -349,65 +355,123 @@ class AutoMicroBatching(AccumulationOwner):
         self.planner.load_state_dict(state_dict.get("planner", {}))
 
 
-def start_from_preflight(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    planner: MicroBatchPlanner,
-    hooks: BatchHooks,
-    backend: MemoryBackend,
-) -> Preflight | None:
-    """Trace the first step on fake tensors and start at the largest size predicted to fit, on every rank alike.
+def check_sequences(
+    sequences: PaddedSequences | None, micro_batch_size: Any, micro_batch_tokens: Any, split_batch: Any
+) -> PaddedSequences | None:
+    """``sequences``, checked against the arguments that go with it (split mode by tokens, or by samples).
 
-    Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
-    prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as without a
-    pre-flight. Returns this rank's trace.
+    Raises:
+        TypeError: ``sequences`` is not a `PaddedSequences`.
+        ValueError: ``micro_batch_tokens`` without ``sequences``, or ``micro_batch_size`` or ``split_batch`` with it.
     """
-    found: Preflight | None = None
-    try:
-        start, why, found = _predicted_start(trainer, pl_module, batch, planner, hooks, backend)
-    except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
-        start, why = None, f"{type(err).__name__}: {describe_error(err)}"
-    # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
-    local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
-    failed, negative_start = (int(v) for v in max_across_ranks(trainer, local).tolist())
-    if failed:
-        rank_zero_warn(fallback_warning(why if start is None else None))
+    if sequences is None:
+        if micro_batch_tokens != "auto":
+            raise ValueError(
+                f"`micro_batch_tokens={micro_batch_tokens!r}` needs `sequences=`: the token budget sizes micro-batches"
+                " of padded sequences. Pass e.g. `sequences=PaddedSequences(mask='attention_mask')`, or set"
+                " `micro_batch_size` to split by samples."
+            )
+        return None
+    if not isinstance(sequences, PaddedSequences):
+        raise TypeError(
+            f"`sequences` must be a `lightning_accum.sequences.PaddedSequences` or None, got {sequences!r} of type"
+            f" {type(sequences).__name__}."
+        )
+    if micro_batch_size != "auto":
+        raise ValueError(
+            f"`micro_batch_size={micro_batch_size!r}` does not apply with `sequences=`: micro-batches are sized by"
+            f" padded tokens. Pass `micro_batch_tokens={micro_batch_size!r} * <tokens per sample>` instead."
+        )
+    if split_batch is not None:
+        raise ValueError(
+            "`split_batch` does not apply with `sequences=`: the step batch is cut by tokens (sorted by length,"
+            " trimmed). Remove one of them."
+        )
+    return sequences
+
+
+def _token_figures(budget: int, closed: ClosedWindow) -> tuple[int, float]:
+    """The token budget and the share of the step's padded token positions that held no real token, all ranks."""
+    padded, real = closed.totals.extra
+    return budget, (1.0 - real / padded) if padded > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PreflightStart:
+    """The cold start of an ``"auto"`` run: trace the first step, and start at the largest size predicted to fit.
+
+    The trace runs on fake tensors, on every rank alike (`run`). By tokens (``sequences``), the sizes are token
+    budgets.
+    """
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    batch: Any
+    planner: MicroBatchPlanner
+    hooks: BatchHooks
+    backend: MemoryBackend
+    sequences: PaddedSequences | None = None
+
+    def run(self) -> Preflight | None:
+        """Start the planner where this rank's and every other rank's traces allow; returns this rank's trace.
+
+        Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
+        prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as
+        without a pre-flight.
+        """
+        found: Preflight | None = None
+        try:
+            start, why, found = self._predicted()
+        except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
+            start, why = None, f"{type(err).__name__}: {describe_error(err)}"
+        # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
+        local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
+        failed, negative_start = (int(v) for v in max_across_ranks(self.trainer, local).tolist())
+        if failed:
+            rank_zero_warn(fallback_warning(why if start is None else None))
+            return found
+        planner = self.planner
+        planner.start_from(-negative_start)
+        assert found is not None
+        small, large = sorted(found.peaks)
+        step_size = self._first_cut()[1]
+        counts = " tokens" if self.sequences is not None else ""
+        log_info(
+            f"lightning_accum: pre-flight traced micro-batches of {small} and {large}{counts} on fake tensors in"
+            f" {found.seconds:.2f} s; starting at {planner.unit.noun} {planner.size_for(step_size)} of {step_size}"
+        )
         return found
-    planner.start_from(-negative_start)
-    assert found is not None
-    small, large = sorted(found.peaks)
-    step_batch_size = hooks.batch_size(batch)
-    log_info(
-        f"lightning_accum: pre-flight traced micro-batches of {small} and {large} on fake tensors in"
-        f" {found.seconds:.2f} s; starting at micro-batch size {planner.size_for(step_batch_size)}"
-        f" of {step_batch_size}"
-    )
-    return found
 
+    def _first_cut(self) -> tuple[BatchHooks | TokenCut, int]:
+        """How the trace cuts the first step batch, and the batch's size in the planner's unit."""
+        if self.sequences is None:
+            return self.hooks, self.hooks.batch_size(self.batch)
+        cut = self.sequences.cut(self.batch, self.hooks)
+        if isinstance(self.planner.unit, Tokens):
+            self.planner.unit.set_longest(cut.longest)
+        return cut, cut.tokens
 
-def _predicted_start(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    planner: MicroBatchPlanner,
-    hooks: BatchHooks,
-    backend: MemoryBackend,
-) -> tuple[int | None, str, Preflight | None]:
-    """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
-    budget = planner.budget_bytes
-    step_batch_size = hooks.batch_size(batch)
-    small, large = max(1, step_batch_size // 4), max(1, step_batch_size // 2)
-    if small == large or budget is None:
-        return None, f"a step batch of {step_batch_size} is too small to trace at two sizes", None
-    found = preflight(
-        pl_module, batch, (small, large), optimizers=trainer.optimizers, precision=trainer.precision, hooks=hooks
-    )
-    if found.peak_model is None:
-        return None, str(found.reason), found
-    start = found.starting_micro_batch_size(budget, step_batch_size, backend.current_bytes(), free_bytes(backend))
-    # Predicted not to fit at all: begin where an OOM would end up.
-    return (planner.min_micro_batch_size if start is None else start), "", found
+    def _predicted(self) -> tuple[int | None, str, Preflight | None]:
+        """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
+        planner, trainer, backend = self.planner, self.trainer, self.backend
+        budget = planner.budget_bytes
+        cutter, step_size = self._first_cut()
+        small, large = max(1, step_size // 4), max(1, step_size // 2)
+        if small == large or budget is None:
+            return None, f"a step batch of {step_size} {planner.unit.counts} is too small to trace at two sizes", None
+        found = preflight(
+            self.pl_module,
+            self.batch,
+            (small, large),
+            optimizers=trainer.optimizers,
+            precision=trainer.precision,
+            hooks=cutter,
+        )
+        if found.peak_model is None:
+            return None, str(found.reason), found
+        start = found.starting_micro_batch_size(budget, step_size, backend.current_bytes(), free_bytes(backend))
+        # Predicted not to fit at all: begin where an OOM would end up.
+        return (planner.unit.floor(planner.settings) if start is None else start), "", found
 
 
 def _refuse_what_split_mode_cannot_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -11,7 +11,7 @@ from lightning_accum.integrations.wandb import USER_PREFIXES
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``dashboard`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "dashboard",
         help="create the lightning_accum W&B workspace (or write its spec with --output)",
         description=(

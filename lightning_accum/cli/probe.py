@@ -8,6 +8,9 @@ Examples::
     lightning-accum probe --config config.yaml --batch-size 64 --device cuda
     lightning-accum probe --model examples.llama8b.model:LlamaLM --data examples.llama8b.model:random_tokens \\
         --batch-size 8 --accumulation-steps 8 --device meta --target cuda --precision bf16-true --json
+    lightning-accum probe --model examples.llama8b.model:LlamaLM --data examples.llama8b.model:padded_tokens \\
+        --data-init-args '{"seq_len": 4096}' --batch-size 8 --sequences --sequence-lengths 1024 2048 4096 \\
+        --device meta --target cuda --precision bf16-true --max-memory 79GiB --steps 1
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from lightning_accum.memory.fake import TARGETS
 from lightning_accum.memory.precision import PRECISIONS
 from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
 from lightning_accum.probe.resolve import check_init_args
+from lightning_accum.probe.tokens import probe_tokens
+from lightning_accum.sequences import PaddedSequences
 
 # The probe's Python arguments -> this command's flags, so that its messages name what the user typed.
 _FLAGS = {
@@ -46,6 +51,10 @@ _FLAGS = {
     "device": "--device",
     "target": "--target",
     "precision": "--precision",
+    "sequences": "--sequences",
+    "sequence_lengths": "--sequence-lengths",
+    "sequence_dim": "--sequence-dim",
+    "headroom": "--headroom",
 }
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
 _PACKAGE_DIR = Path(lightning_accum.__file__).resolve().parent
@@ -65,7 +74,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``probe`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "probe",
         help="measure peak memory with and without gradient accumulation on your model",
         description=(
@@ -100,8 +109,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--fit-micro-batch-sizes",
         type=int_at_least(1),
         nargs="+",
-        help="micro-batch sizes for the peak(b) fit (default: B/2..B/16)",
+        help="micro-batch sizes for the peak(b) fit (default: B/2..B/16); with --sequences, the sequences per "
+        "micro-batch measured at each length (default: B/8, B/4, B/2)",
     )
+    _add_sequence_arguments(parser)
     _add_budget_arguments(parser)
     parser.add_argument(
         "--device",
@@ -123,6 +134,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sequence_arguments(parser: argparse.ArgumentParser) -> None:
+    tokens = parser.add_argument_group(
+        "split by tokens (fit peak(T, L) against the padded tokens T of a micro-batch of sequences L long)"
+    )
+    tokens.add_argument(
+        "--sequences",
+        nargs="?",
+        const="attention_mask",
+        metavar="MASK|lengths=PATH",
+        help="the batch holds right-padded sequences, as PaddedSequences reads them: the key of their 0/1 mask "
+        "(alone: attention_mask; an int for a position in a tuple batch), or lengths=pkg.mod:fn; answers in "
+        "micro_batch_tokens",
+    )
+    tokens.add_argument(
+        "--sequence-lengths",
+        type=int_at_least(1),
+        nargs="+",
+        metavar="L",
+        help="with --sequences: the lengths to measure at, each at most what the data pads to (default: P/4 P/2 P "
+        "of the data's padded length P); the token budget is for the longest",
+    )
+    tokens.add_argument(
+        "--sequence-dim", type=int_at_least(1), default=1, help="with --sequences: the sequence's dim (default: 1)"
+    )
+
+
 def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
@@ -130,6 +167,12 @@ def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
         type=memory_size,
         help="a memory budget, as AutoMicroBatching(max_memory=) takes it: a size such as 8GiB; which micro-batch "
         "fits it?",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        help="the share of --max-memory kept free for what the probe cannot see (default: 0.1 with --target cuda, "
+        "else 0)",
     )
     # The older spelling of --max-memory, in GiB; kept so that existing scripts run.
     budget.add_argument("--budget-gib", type=positive_float, help=argparse.SUPPRESS)
@@ -202,27 +245,59 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
     batch_size = args.batch_size if args.batch_size is not None else getattr(data, "batch_size", None)
     if not isinstance(batch_size, int):
         raise CommandError("`--batch-size` is needed: the data has no int `batch_size` to default to.")
-    return probe_memory(
-        module,
-        data,
-        batch_size=batch_size,
-        accumulation_steps=args.accumulation_steps or (2, 4),
-        fit_micro_batch_sizes=args.fit_micro_batch_sizes,
-        steps=args.steps,
-        warmup_steps=args.warmup_steps,
-        device=device,
-        target=args.target,
-        precision=args.precision,
-        budget_bytes=_budget_bytes(args),
-        module_init_args=module_init_args,
-        data_init_args=data_init_args,
-    )
+    sequences = _sequences(args)
+    common: dict[str, Any] = {
+        "batch_size": batch_size,
+        "fit_micro_batch_sizes": args.fit_micro_batch_sizes,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "device": device,
+        "target": args.target,
+        "precision": args.precision,
+        "budget_bytes": _budget_bytes(args),
+        "module_init_args": module_init_args,
+        "data_init_args": data_init_args,
+        "headroom": args.headroom,
+    }
+    if sequences is not None:
+        return probe_tokens(module, data, sequences=sequences, sequence_lengths=args.sequence_lengths, **common)
+    return probe_memory(module, data, accumulation_steps=args.accumulation_steps or (2, 4), **common)
+
+
+def _sequences(args: argparse.Namespace) -> PaddedSequences | None:
+    """The `PaddedSequences` that ``--sequences`` describes, or ``None`` (the probe in samples)."""
+    text = args.sequences
+    if text is None:
+        for flag, given in (("--sequence-lengths", args.sequence_lengths), ("--sequence-dim", args.sequence_dim != 1)):
+            if given:
+                raise CommandError(
+                    f"`{flag}` needs `--sequences`: it describes the sequences the probe in tokens cuts."
+                )
+        return None
+    if args.accumulation_steps:
+        raise CommandError(
+            f"`--accumulation-steps` does not apply with `--sequences`: the probe in tokens measures steps of 2"
+            f" micro-batches at every shape, and split mode by tokens sets k from the token budget. Drop"
+            f" `--accumulation-steps {' '.join(map(str, args.accumulation_steps))}`."
+        )
+    key, value = text.split("=", 1) if "=" in text else ("mask", text)
+    if key not in ("mask", "lengths") or not value:
+        raise CommandError(
+            f"`--sequences`={text!r} is not a mask key or `lengths=pkg.mod:fn`. Pass the key of the batch's 0/1"
+            " mask (e.g. `--sequences attention_mask`), or `--sequences lengths=my_pkg.data:lengths`."
+        )
+    try:
+        if key == "mask":
+            return PaddedSequences(int(value) if value.isdigit() else value, sequence_dim=args.sequence_dim)
+        return PaddedSequences(lengths=value, sequence_dim=args.sequence_dim)
+    except (ImportError, TypeError, ValueError) as err:
+        raise CommandError(f"`--sequences`={text!r}: {err}") from err
 
 
 def _budget_bytes(args: argparse.Namespace) -> float | None:
-    if args.budget_gib is not None:
-        return args.budget_gib * GIB
-    return args.max_memory
+    # `--budget-gib` parses as a float, `--max-memory` as a size in bytes (an int); both default to None.
+    budget: float | None = args.max_memory if args.budget_gib is None else args.budget_gib * GIB
+    return budget
 
 
 def _device(text: str) -> str:

@@ -1,8 +1,8 @@
 """``lightning-accum report RUN``: the dashboard's panels as one PNG, from a W&B offline run or a CSVLogger file.
 
 The panels are `lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
-a run looks the same with or without W&B; the report leaves out the optional ones (noise scale, allocator retries)
-that a run never logged.
+a run looks the same with or without W&B; the report leaves out the optional ones (the token budget and the padding,
+the noise scale, allocator retries) that a run never logged.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ _EVENT_STYLE: dict[str, tuple[str, str]] = {
 _OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named, not drawn
 _PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of ten above (a diverged loss)
 # Keys that only some runs log: a panel that draws one of them is left out where none of them was logged, and a
-# section with no panel left goes too. The noise scale needs AccumulationMonitor(gradient_noise_scale=True), and the
-# allocator's retries a CUDA or XPU device; the other panels are drawn even when blank, so a missing figure shows.
-_OPTIONAL_KEYS = frozenset({*keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
+# section with no panel left goes too. The token keys need AutoMicroBatching(sequences=...), the noise scale
+# AccumulationMonitor(gradient_noise_scale=True), and the allocator's retries a CUDA or XPU device; the other panels
+# are drawn even when blank, so a missing figure shows.
+_OPTIONAL_KEYS = frozenset({*keys.TOKEN_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 
@@ -61,7 +62,7 @@ that has just finished (see `read_offline_run`)."""
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``report`` subcommand to an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
         help="plot a run's accumulation, memory, recovery and throughput metrics to a PNG",
         description=(
@@ -434,10 +435,18 @@ def _set_y_range(ax: Any, panel: PanelSpec, values: list[float]) -> None:
 def summarize(series: Series) -> str:
     """One paragraph on the run, for people and for logs.
 
-    It says: the steps, the effective batch, the micro-batch range and where it settled, the OOMs recovered and at
-    which steps, the peak memory against the budget, and the throughput.
+    It says: the steps, the effective batch, the micro-batch range and where it settled (split by tokens: the token
+    budget's, and the padding), the OOMs recovered and at which steps, the peak memory against the budget, and the
+    throughput.
     """
-    parts = (_steps_text(series), _batch_text(series), _oom_text(series), _memory_text(series), _speed_text(series))
+    parts = (
+        _steps_text(series),
+        _batch_text(series),
+        _tokens_text(series),
+        _oom_text(series),
+        _memory_text(series),
+        _speed_text(series),
+    )
     return " ".join(part for part in parts if part)
 
 
@@ -470,7 +479,11 @@ def _batch_text(series: Series) -> str:
         values = _values(series, keys.EFFECTIVE_BATCH_SIZE)
         texts.append(f"Effective batch {_int(min(values))} to {_int(max(values))} samples per step")
     micro = _changes(series.get(keys.MICRO_BATCH_SIZE, []))
-    if len(micro) == 1:
+    if micro and _by_tokens(series):  # the samples a micro-batch holds follow the lengths: they never settle
+        values = _values(series, keys.MICRO_BATCH_SIZE)
+        low, high = _int(min(values)), _int(max(values))
+        texts.append(f"the largest micro-batch {low if low == high else f'{low} to {high}'} samples")
+    elif len(micro) == 1:
         texts.append(f"micro-batch {_int(micro[0][1])} samples throughout")
     elif micro:
         values = _values(series, keys.MICRO_BATCH_SIZE)
@@ -490,8 +503,35 @@ def _changes(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
 
 
+def _by_tokens(series: Series) -> bool:
+    return bool(series.get(keys.MICRO_BATCH_TOKENS))
+
+
+def _tokens_text(series: Series) -> str:
+    # Split by tokens: the token budget (and where it settled, if it moved) and the padding computed.
+    budgets = _changes(series.get(keys.MICRO_BATCH_TOKENS, []))
+    if not budgets:
+        return ""
+    if len(budgets) == 1:
+        text = f"Token budget {_int(budgets[0][1])} padded tokens per micro-batch throughout"
+    else:
+        values = _values(series, keys.MICRO_BATCH_TOKENS)
+        since, last = budgets[-1]
+        text = (
+            f"Token budget {_int(min(values))} to {_int(max(values))} padded tokens per micro-batch, settled at"
+            f" {_int(last)} from step {_int(since)}"
+        )
+    padding = _values(series, keys.PADDING_FRACTION)
+    if padding:
+        text += f"; padding {_median(padding):.1%} of the token positions computed (median of the logged steps)"
+    return text + "."
+
+
 def _ranks(series: Series) -> str:
-    # The world size the last step implies (effective = micro-batch x k x ranks); said only when it is over 1.
+    # The world size the last step implies (effective = micro-batch x k x ranks); said only when it is over 1. Not
+    # by tokens: micro-batches then hold different numbers of samples, and ranks run different numbers of them.
+    if _by_tokens(series):
+        return ""
     last = [
         _values(series, key)[-1:] for key in (keys.EFFECTIVE_BATCH_SIZE, keys.MICRO_BATCH_SIZE, keys.ACCUMULATION_STEPS)
     ]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_KEY",
     "MAX_SUMMARY_KEYS",
+    "MEAN_SUMMARY_KEYS",
     "NO_SUMMARY_KEYS",
     "PANEL_LAYOUT",
     "STEP_METRIC",
@@ -58,6 +59,9 @@ CONFIG_KEY = "lightning_accum"
 
 MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
 """Keys whose run summary is their maximum (a memory peak matters at its worst, not at the last step)."""
+
+MEAN_SUMMARY_KEYS = (keys.PADDING_FRACTION,)
+"""Keys whose run summary is their mean over the logged steps: the padding's cost is spread over the run."""
 
 NO_SUMMARY_KEYS = keys.EVENT_KEYS
 """Keys without a run summary: an event's value is the size after it, so its last value would read as a count
@@ -133,6 +137,22 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
     SectionSpec(
+        # Only with AutoMicroBatching(sequences=...): micro-batches sized by padded tokens; the number of micro-batches
+        # is the Batch section's accumulation steps.
+        "Tokens",
+        (
+            PanelSpec(
+                "Token budget",
+                (keys.MICRO_BATCH_TOKENS,),
+                "padded tokens / micro-batch",
+                _FROM_ZERO,
+                integer=True,
+                mark_events=True,
+            ),
+            PanelSpec("Padding", (keys.PADDING_FRACTION,), "fraction of positions computed (all ranks)", _FROM_ZERO),
+        ),
+    ),
+    SectionSpec(
         # Only with AccumulationMonitor(gradient_noise_scale=True): the batch the gradient says is worth it.
         "Noise scale",
         (
@@ -188,7 +208,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
 )
-"""The dashboard: sections Batch, Noise scale, Memory, Recovery and Throughput, drawn against `STEP_METRIC`."""
+"""The dashboard: sections Batch, Tokens, Noise scale, Memory, Recovery and Throughput, against `STEP_METRIC`."""
 
 
 def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]:
@@ -199,18 +219,23 @@ def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]
 # ------------------------------------------------------------------------------------------------------------------
 # a live run: metric definitions and config
 # ------------------------------------------------------------------------------------------------------------------
-def define_metrics(run: Any, prefix: str = "") -> None:
+def define_metrics(run: Any, prefix: str = "", *, tokens: bool = False) -> None:
     """Define every contract key on ``run`` against `STEP_METRIC`: max summaries for memory peaks, none for events.
 
     Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
     take precedence over the glob. ``prefix`` is the monitor's ``key_prefix``, put in front of every key.
-    An event key's summary is set at the end of ``fit`` to the number of events (`record_event_counts`).
+    An event key's summary is set at the end of ``fit`` to the number of events (`record_event_counts`). The token
+    keys (`keys.TOKEN_KEYS`, the padding summarized by its mean) are defined only for a run split by ``tokens``, so
+    that a run split by samples holds what it always held.
     """
     run.define_metric(STEP_METRIC)
-    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS):
+    token_keys = keys.TOKEN_KEYS if tokens else ()
+    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *token_keys):
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
         if key in MAX_SUMMARY_KEYS:
             kwargs["summary"] = "max"
+        elif key in MEAN_SUMMARY_KEYS:
+            kwargs["summary"] = "mean"
         elif key in NO_SUMMARY_KEYS:
             kwargs["summary"] = "none"
         run.define_metric(prefix + key, **kwargs)
@@ -329,7 +354,8 @@ def spec_to_dict(workspace: Workspace) -> dict[str, Any]:
     ``Workspace.save`` sends exactly this model (``_to_model()``), so the dump is what would be uploaded. The
     method is private in wandb-workspaces 0.4; ``tests/integrations/test_wandb.py`` fails if it changes.
     """
-    return workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    spec: dict[str, Any] = workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+    return spec
 
 
 def spec_to_json(workspace: Workspace, *, indent: int | None = 2) -> str:

@@ -108,14 +108,17 @@ class DeviceBackend:
     @classmethod
     def _resolve(cls, device: torch.device | str | int | None) -> torch.device:
         device_type = cls.device_type
-        if device_type is None and (device is None or isinstance(device, int)):
-            device_type = _current_accelerator_type()
+        if device is None or isinstance(device, int):
+            if device_type is None:
+                device_type = _current_accelerator_type()
             if device_type is None:
                 raise ValueError(
                     f"`device={device!r}` means the current accelerator, but torch finds none. Pass the device, e.g."
                     " 'cuda:0', or use `backend_for(device)`, which also serves the CPU."
                 )
-        device = torch.device(device_type) if device is None else _as_device(device, default_type=device_type or "")
+            device = torch.device(device_type) if device is None else _as_device(device, default_type=device_type)
+        else:
+            device = _as_device(device, default_type=device_type or "")
         if device.type not in _ALLOCATOR_DEVICES or cls.device_type not in (None, device.type):
             wanted = _ALLOCATOR_DEVICES.get(cls.device_type or "", "a device with a caching allocator (cuda, xpu)")
             raise ValueError(f"`device` must be {wanted} for {cls.__name__}, got {device}. Use `backend_for(device)`.")

@@ -76,7 +76,7 @@ def parse_size(text: str, name: str = "max_memory") -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def check_max_memory(max_memory: Any) -> float | int:
+def check_max_memory(max_memory: object) -> float | int:
     """The budget as a fraction of capacity (a float in ``(0, 1]``) or as bytes (an int >= 1).
 
     Raises:

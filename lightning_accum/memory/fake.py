@@ -34,10 +34,10 @@ import copy
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -50,6 +50,11 @@ CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every block up to a multiple of 512 bytes (``kMinBlockSize``)."""
 CUDA_HEADROOM = 0.10
 """Share of a CUDA budget kept free for what fake tensors can't see (workspaces, fragmentation); a judgment call."""
+SharedStorages = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""Storage address -> (the real tensor, keeping the address unique, and its fake storage): see `FakeTarget.fake`."""
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class FakeTarget:
@@ -94,7 +99,7 @@ class FakeTarget:
 
     # ---- real -> fake -------------------------------------------------------------------------------------------
 
-    def fake(self, tensor: torch.Tensor, shared: dict[int, Any] | None = None) -> torch.Tensor:
+    def fake(self, tensor: torch.Tensor, shared: SharedStorages | None = None) -> torch.Tensor:
         """A fake tensor like ``tensor`` on the fake device (a fake one is returned as is).
 
         Only the real tensor's metadata is read: running an op on it inside the mode would convert it with the fake
@@ -117,12 +122,12 @@ class FakeTarget:
 
     def tensors(self, batch: Any) -> Any:
         """``batch`` (any collection) with every real tensor replaced by a fake one, shared storages kept shared."""
-        shared: dict[int, Any] = {}
+        shared: SharedStorages = {}
         return apply_to_collection(batch, torch.Tensor, lambda t: self.fake(t, shared))
 
     def module(self, module: nn.Module) -> nn.Module:
         """Make every parameter and buffer of ``module`` fake, in place (tied parameters stay tied)."""
-        shared: dict[int, Any] = {}
+        shared: SharedStorages = {}
         return replace_tensors(module, lambda t: self.fake(t, shared))
 
     def copy_step(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> FakeStep:
@@ -153,7 +158,7 @@ class FakeTarget:
             }
         with self:
             memo: dict[int, Any] = {}
-            shared: dict[int, Any] = {}
+            shared: SharedStorages = {}
             sharded = self._fake_parameters(module, units, shards, memo, shared)
             for opt in optimizers:
                 for state in opt.state.values():
@@ -177,7 +182,7 @@ class FakeTarget:
         units: list[nn.Module],
         shards: dict[int, torch.Tensor],
         memo: dict[int, Any],
-        shared: dict[int, Any],
+        shared: SharedStorages,
     ) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
         """Fill ``memo`` with fake parameters and tensor attributes; return each sharded one's (unsharded, shard)."""
         sharded: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -199,7 +204,7 @@ class FakeTarget:
                     memo[id(value)] = value
         return sharded
 
-    def _state_tensor(self, value: torch.Tensor, shared: dict[int, Any]) -> torch.Tensor:
+    def _state_tensor(self, value: torch.Tensor, shared: SharedStorages) -> torch.Tensor:
         # FSDP2's optimizer state is sharded as its parameters are: `value` is then this rank's local shard.
         # A one-element state (Adam's `step`) is read with `.item()`: it must keep its value, which a fake tensor
         # made inside the mode from a Python number does. `tolist` reads the real tensor without dispatching.
@@ -312,7 +317,7 @@ class FakeStep:
         self._in_flight.append(flat)
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: object) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed support has no DTensor

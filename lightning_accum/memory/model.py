@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from lightning_accum._validation import check_int, check_number
 
 _STATE_VERSION = 1
@@ -201,3 +203,171 @@ class LinearPeakModel:
         if self._fit is None:
             return f"LinearPeakModel(unfitted, sizes={sorted(self._peaks)})"
         return f"LinearPeakModel(fixed_bytes={self._fit[0]:.4g}, per_sample_bytes={self._fit[1]:.4g})"
+
+
+class SequencePeakModel:
+    """Peak memory of a micro-batch of ``T`` padded tokens whose sequences are ``L`` long: ``fixed + T (a + c L)``.
+
+    Split mode by tokens sizes micro-batches by their padded tokens ``T`` (samples x longest length). Most of what a
+    micro-batch adds grows with ``T`` (``a`` per token); attention without a fused kernel also holds scores for every
+    pair of positions, ``samples x L²`` = ``T x L``, which the ``c`` term carries. The length is the step's longest
+    sequence, which the planner sets (`length`) before it observes or asks: its micro-batch costs the most per token.
+
+    Fitted by least squares on the latest peak of each ``(T, L)`` seen (at most ``max_sizes`` of them). While every
+    observation shares one length, ``c`` cannot be told from ``a`` and is 0: the per-token cost is the one measured
+    at that length. Both coefficients are kept >= 0 (memory that falls with more tokens is noise). The interface is
+    `LinearPeakModel`'s, in tokens, so the planner uses either alike.
+
+    Args:
+        max_sizes: how many distinct ``(T, L)`` to remember (>= 2).
+
+    Examples:
+        Peaks of ``1000 + T (2 + 0.5 L)`` bytes at three shapes:
+
+        >>> model = SequencePeakModel()
+        >>> for tokens, length in ((64, 8), (128, 8), (128, 32)):
+        ...     model.length = length
+        ...     model.observe(tokens, 1000 + tokens * (2 + 0.5 * length))
+        >>> model.length = 16
+        >>> round(model.predict(100)), model.largest_fitting(budget_bytes=2000, upper=4096)
+        (2000, 100)
+    """
+
+    def __init__(self, max_sizes: int = 16) -> None:
+        self.max_sizes = check_int(max_sizes, "max_sizes", 2, hint="A line needs two sizes to fit.")
+        self.length = 1  # the sequence length observations and predictions are for
+        self._peaks: dict[tuple[int, int], float] = {}  # (tokens, length) -> latest peak, in recency order
+        self._fit: tuple[float, float, float] | None = None  # fixed, a, c
+
+    def observe(self, tokens: int, peak_bytes: float) -> None:
+        """Record the peak of a micro-batch of ``tokens`` padded tokens at the current `length`."""
+        key = (check_int(tokens, "tokens", 1), check_int(self.length, "length", 1))
+        self._peaks.pop(key, None)
+        self._peaks[key] = check_number(peak_bytes, "peak_bytes", 0, kind="number of bytes")
+        while len(self._peaks) > self.max_sizes:
+            del self._peaks[next(iter(self._peaks))]
+        self._fit = _fit_sequence_peaks(self._peaks)
+
+    def fitted(self) -> bool:
+        """Whether two different token counts have been observed, so that a line is defined."""
+        return self._fit is not None
+
+    @property
+    def fixed_bytes(self) -> float | None:
+        """Memory that does not depend on the micro-batch, or ``None`` before a fit."""
+        return None if self._fit is None else self._fit[0]
+
+    @property
+    def per_sample_bytes(self) -> float | None:
+        """Memory per padded token at the current `length` (the planner's per-unit cost), or ``None``."""
+        return None if self._fit is None else self._fit[1] + self._fit[2] * self.length
+
+    @property
+    def per_token_bytes(self) -> float | None:
+        """``a``: memory per padded token that does not depend on the length, or ``None`` before a fit."""
+        return None if self._fit is None else self._fit[1]
+
+    @property
+    def per_token_length_bytes(self) -> float | None:
+        """``c``: memory per padded token and position of length (attention's ``T x L`` term), or ``None``."""
+        return None if self._fit is None else self._fit[2]
+
+    def predict(self, tokens: int) -> float:
+        """Predicted peak of a micro-batch of ``tokens`` padded tokens at the current `length`.
+
+        Raises:
+            RuntimeError: if the model is not fitted yet.
+        """
+        fixed, a, c = self._require_fit()
+        return fixed + check_int(tokens, "tokens", 1) * (a + c * self.length)
+
+    def largest_fitting(self, budget_bytes: float, upper: int) -> int | None:
+        """The largest token count in ``[1, upper]`` predicted to fit ``budget_bytes`` at the current `length`.
+
+        Raises:
+            RuntimeError: if the model is not fitted yet.
+        """
+        budget = check_number(budget_bytes, "budget_bytes", 0, kind="number of bytes")
+        upper = check_int(upper, "upper", 1)
+        fixed, a, c = self._require_fit()
+        per_token = a + c * self.length
+        if fixed + per_token > budget:
+            return None
+        if per_token == 0:
+            return upper
+        tokens = min(upper, math.floor((budget - fixed) / per_token))
+        while tokens > 1 and fixed + per_token * tokens > budget:  # float rounding at the boundary
+            tokens -= 1
+        return max(tokens, 1)
+
+    def _require_fit(self) -> tuple[float, float, float]:
+        if self._fit is None:
+            raise RuntimeError(
+                "`SequencePeakModel` needs a fit: observe micro-batches of at least two different token counts first."
+            )
+        return self._fit
+
+    def state_dict(self) -> dict[str, Any]:
+        """The remembered peaks, in recency order, as plain Python values."""
+        peaks = [[t, length, p] for (t, length), p in self._peaks.items()]
+        return {"version": _STATE_VERSION, "max_sizes": self.max_sizes, "peaks": peaks, "length": self.length}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict` (missing keys keep their defaults)."""
+        self.max_sizes = check_int(state.get("max_sizes", self.max_sizes), "state['max_sizes']", 2)
+        self._peaks, self._fit = {}, None
+        length = int(state.get("length", 1))
+        for entry in state.get("peaks", []):
+            tokens, self.length, peak = (
+                (int(entry[0]), int(entry[1]), float(entry[2]))
+                if len(entry) == 3
+                else (int(entry[0]), length, float(entry[1]))
+            )
+            self.observe(tokens, peak)
+        self.length = length
+
+    def __repr__(self) -> str:
+        if self._fit is None:
+            return f"SequencePeakModel(unfitted, shapes={sorted(self._peaks)})"
+        fixed, a, c = self._fit
+        return f"SequencePeakModel(fixed_bytes={fixed:.4g}, per_token_bytes={a:.4g}, per_token_length_bytes={c:.4g})"
+
+
+def _fit_sequence_peaks(peaks: Mapping[tuple[int, int], float]) -> tuple[float, float, float] | None:
+    """Least squares ``peak = fixed + a T + c T L`` with ``a, c >= 0``; ``c = 0`` where the lengths can't tell."""
+    if len({tokens for tokens, _ in peaks}) < 2:
+        return None
+    points = [(float(t), float(t * length), float(p)) for (t, length), p in peaks.items()]
+    full = _least_squares([(1.0, x, z) for x, z, _ in points], [y for _, _, y in points])
+    if full is not None and full[1] >= 0 and full[2] >= 0:
+        return full[0], full[1], full[2]
+    # One length only, or a negative coefficient: the best fit with one of them at 0.
+    by_tokens = _least_squares([(1.0, x) for x, _, _ in points], [y for _, _, y in points])
+    by_area = _least_squares([(1.0, z) for _, z, _ in points], [y for _, _, y in points])
+    candidates = []
+    if by_tokens is not None and by_tokens[1] >= 0:
+        candidates.append((by_tokens[0], by_tokens[1], 0.0))
+    if by_area is not None and by_area[1] >= 0 and full is not None:  # `full` defined: the lengths differ
+        candidates.append((by_area[0], 0.0, by_area[1]))
+    if not candidates:
+        mean = sum(y for _, _, y in points) / len(points)
+        return mean, 0.0, 0.0
+    return min(candidates, key=lambda fit: _squared_error(fit, points))
+
+
+def _least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> tuple[float, ...] | None:
+    """The solution of the normal equations, or ``None`` where they are singular (columns that can't be told apart)."""
+    design = torch.tensor(rows, dtype=torch.float64)
+    target = torch.tensor(ys, dtype=torch.float64)
+    gram = design.T @ design
+    scale = gram.diagonal().clamp(min=1e-300).sqrt()
+    normalized = gram / scale[:, None] / scale[None, :]
+    if torch.linalg.matrix_rank(normalized, rtol=1e-9) < len(rows[0]):
+        return None
+    solution = torch.linalg.solve(gram, design.T @ target)
+    return tuple(float(v) for v in solution)
+
+
+def _squared_error(fit: tuple[float, float, float], points: list[tuple[float, float, float]]) -> float:
+    fixed, a, c = fit
+    return sum((fixed + a * x + c * z - y) ** 2 for x, z, y in points)

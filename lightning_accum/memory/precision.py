@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 PrecisionName = Literal["64-true", "32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"]
@@ -103,8 +103,8 @@ def replace_tensors(module: nn.Module, convert: Callable[[torch.Tensor], torch.T
                 with torch.no_grad():  # the new parameter is a leaf, as the old one was
                     new = convert(param)
                 done[id(param)] = (param, nn.Parameter(new, requires_grad=param.requires_grad))
-            if param is not None:
-                sub._parameters[name] = done[id(param)][1]  # type: ignore[assignment]
+            if param is not None:  # a parameter's entry holds the new Parameter
+                sub._parameters[name] = cast(nn.Parameter, done[id(param)][1])
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and id(buffer) not in done:
                 with torch.no_grad():

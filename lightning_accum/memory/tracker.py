@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,7 +50,7 @@ class MemorySnapshot:
 class _Entry:
     __slots__ = ("category", "nbytes", "ref")
 
-    def __init__(self, ref: weakref.ref, nbytes: int, category: Category) -> None:
+    def __init__(self, ref: weakref.ref[torch.UntypedStorage], nbytes: int, category: Category) -> None:
         self.ref = ref
         self.nbytes = nbytes
         self.category = category
@@ -113,7 +113,7 @@ class MemoryTracker(TorchDispatchMode):
         device: str | torch.device | None = None,
         block_bytes: int = 1,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         self.block_bytes = check_int(block_bytes, "block_bytes", 1)
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a torch.nn.Module or None, got {type(module).__name__}.")
@@ -141,8 +141,8 @@ class MemoryTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse, nested or wrapper tensors have no plain storage
             return None
 
-    def _on_free(self, key: int) -> Any:
-        def callback(_: weakref.ref) -> None:
+    def _on_free(self, key: int) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
+        def callback(_: weakref.ref[torch.UntypedStorage]) -> None:
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._totals[entry.category] -= entry.nbytes
@@ -227,11 +227,11 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self) -> MemoryTracker:
         self._attach()
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch's is unannotated
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -22,7 +22,9 @@ fake tensors can't see). ``precision`` runs the steps as ``Trainer(precision=...
 The package's modules: ``resolve`` turns import paths, init args and LightningCLI configs into factories;
 ``measure`` runs the configurations; ``result`` holds what was measured; ``report`` turns it into sentences, a
 table, JSON, a plot and a snippet to paste; ``preflight`` fits ``peak(b)`` of a split-mode step from fake-tensor
-traces, for a cold start without out-of-memory errors.
+traces, for a cold start without out-of-memory errors. ``tokens`` (with ``token_result`` and ``token_report``) is the
+probe in tokens, for split mode by tokens: `probe_tokens` fits ``fixed + T (a + c L)`` at several sequence lengths
+and answers with a ``micro_batch_tokens``.
 
 Examples:
     >>> import lightning.pytorch as pl
@@ -47,12 +49,16 @@ from lightning_accum.probe.measure import probe_memory
 from lightning_accum.probe.report import write_outputs
 from lightning_accum.probe.resolve import import_object, load_cli_config
 from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
+from lightning_accum.probe.token_result import TokenProbeResult
+from lightning_accum.probe.tokens import probe_tokens
 
 __all__ = [
     "ProbeMeasurement",
     "ProbeResult",
+    "TokenProbeResult",
     "import_object",
     "load_cli_config",
     "probe_memory",
+    "probe_tokens",
     "write_outputs",
 ]

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_accum._validation import check_int
-from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget
+from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget, Target
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
@@ -47,8 +47,9 @@ def probe_memory(
     module_init_args: Mapping[str, Any] | None = None,
     data_init_args: Mapping[str, Any] | None = None,
     seed: int = 0,
-    target: str | None = None,
+    target: Target | None = None,
     precision: str | int = "32-true",
+    headroom: float | None = None,
 ) -> ProbeResult:
     """Measure peak memory of training steps over a grid of ``(b, k)`` and answer the memory question.
 
@@ -73,10 +74,11 @@ def probe_memory(
         seed: the seed set before building each model.
         target: with ``device="meta"``, the device to predict for, ``"cpu"`` (default) or ``"cuda"``.
         precision: as ``Trainer(precision=...)``: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...
+        headroom: the share of ``budget_bytes`` kept free for what the steps can't show (default: `check_headroom`).
 
     Raises:
         TypeError: an argument has the wrong type, init args do not fit, or the module lacks ``training_step``.
-        ValueError: a bad ``k``, size, target or precision, no optimizer, or no loss returned.
+        ValueError: a bad ``k``, size, target, precision or headroom, no optimizer, or no loss returned.
         RuntimeError: the module uses manual optimization, or the device is not available.
         ImportError: an import path names no module or attribute.
     """
@@ -84,11 +86,12 @@ def probe_memory(
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
     ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
     where = _Where.of(device, target, precision)
+    kept = check_headroom(headroom, where)
     make_module = module_factory(module, module_init_args)
     _check_module(where.throwaway(make_module))  # so that a wrong module fails before any measuring
     make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
     runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed) for b, k in configs]
-    return _fit(_result(batch_size, ks, runs, where, budget_bytes))
+    return _fit(_result(batch_size, ks, runs, where, budget_bytes, kept))
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
@@ -131,16 +134,34 @@ def _configurations(
     return list(dict.fromkeys(configs))  # drop repeats, keep order
 
 
+def check_headroom(headroom: float | None, where: _Where) -> float:
+    """``headroom`` checked, or its default: `CUDA_HEADROOM` for a CUDA prediction, else 0 (a measurement sees all).
+
+    Raises:
+        TypeError: ``headroom`` is not a number.
+        ValueError: ``headroom`` is not in ``[0, 1)``.
+    """
+    if headroom is None:
+        return CUDA_HEADROOM if where.target == "cuda" else 0.0
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise TypeError(f"`headroom` must be a fraction in [0, 1), got {headroom!r} of type {type(headroom).__name__}.")
+    if not 0 <= headroom < 1:
+        raise ValueError(
+            f"`headroom` must be a fraction in [0, 1) of the budget kept free, got {headroom!r}. Pass e.g. 0.05."
+        )
+    return float(headroom)
+
+
 @dataclass(frozen=True)
 class _Where:
     """Where the configurations run: a real device, or fake tensors predicting for ``target``; and the precision."""
 
     device: torch.device
-    target: str | None
+    target: Target | None
     precision: StepPrecision
 
     @classmethod
-    def of(cls, device: str | torch.device, target: str | None, precision: str | int) -> _Where:
+    def of(cls, device: str | torch.device, target: Target | None, precision: str | int) -> _Where:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"`device`={str(device)!r} but CUDA is not available here. Use `device='cpu'`.")
@@ -174,12 +195,13 @@ def _result(
     runs: list[tuple[ProbeMeasurement, int, int]],
     where: _Where,
     budget_bytes: float | None,
+    headroom: float,
 ) -> ProbeResult:
     _, param_bytes, grad_bytes = runs[-1]  # the same for every configuration
     measurements = [m for m, _, _ in runs]
     result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
     result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
-    result.headroom = CUDA_HEADROOM if where.target == "cuda" else 0.0
+    result.headroom = headroom
     return result
 
 
@@ -204,6 +226,11 @@ def _fit(result: ProbeResult) -> ProbeResult:
 
 
 # ---- the module -----------------------------------------------------------------------------------------------------
+
+
+def configured_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers ``model.configure_optimizers()`` returns (`optimizers_of`); `_check_module` saw the hook."""
+    return optimizers_of(model.configure_optimizers())  # type: ignore[operator]  # a hook; torch types Module attributes as Tensor | Module
 
 
 def optimizers_of(config: Any) -> list[torch.optim.Optimizer]:
@@ -241,7 +268,7 @@ def _check_module(model: Any) -> None:
             f"`module` {name} uses manual optimization (`automatic_optimization = False`); the probe drives "
             "`training_step` itself and needs automatic optimization. Probe a variant with it on."
         )
-    if not optimizers_of(model.configure_optimizers()):
+    if not configured_optimizers(model):
         raise ValueError(f"`module` {name}: `configure_optimizers` returned no optimizer.")
 
 
@@ -284,7 +311,8 @@ def _measure(
             micro_batches = [batches.pop(0) for _ in range(k)]
             train_step(model, optimizers, micro_batches, tracker, _preparer(where, fake), _autocast(where), step * k)
     device_peak = _device_peak(where.device)
-    peak, phases = tracker.peak, {}
+    peak = tracker.peak
+    phases: dict[str, int] = {}
     for label, total in tracker.phase_peaks.items():  # "backward 2/4" -> "backward"
         if label:
             phases[label.split()[0]] = max(phases.get(label.split()[0], 0), total)
@@ -302,7 +330,7 @@ def _build(
     model = fake.module(model) if fake is not None else model.to(where.device)
     model = where.precision.convert_module(model)
     model.train()
-    optimizers = optimizers_of(model.configure_optimizers())
+    optimizers = configured_optimizers(model)
     return model, optimizers if fake is None else fake.optimizers(optimizers)
 
 
@@ -373,7 +401,7 @@ def train_step(
         batches[i] = None
         tracker.track(batch, "activations")
         with tracker.phase(f"forward {i + 1}/{k}"), forward_context():
-            loss = _loss_of(model.training_step(batch, batch_idx + i))
+            loss = _loss_of(model.training_step(batch, batch_idx + i))  # type: ignore[operator]  # a hook; torch types Module attributes as Tensor | Module
         if loss is None:
             raise ValueError(
                 f"`module` {type(model).__name__}.training_step returned no loss; the probe needs a Tensor or "

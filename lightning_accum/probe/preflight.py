@@ -43,7 +43,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -55,8 +55,8 @@ from lightning_accum.memory.fake import CUDA_HEADROOM, FakeStep, FakeTarget
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
-from lightning_accum.probe.measure import optimizers_of, train_step
-from lightning_accum.splitting import BatchHooks
+from lightning_accum.probe.measure import configured_optimizers, train_step
+from lightning_accum.splitting import BatchHooks, MicroBatch
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,15 @@ TRACED_TRAINING_STEPS = 5
 _tracing = 0  # a count, not a flag: a trace inside a trace (a test's, say) ends with the outer one
 
 
+class MicroBatchCutter(Protocol):
+    """What cuts the traced step batch: `lightning_accum.splitting.BatchHooks`, or a cut by tokens.
+
+    A cut by tokens (`lightning_accum.sequences.TokenCut`) takes token budgets for sizes.
+    """
+
+    def split(self, batch: Any, micro_batch_size: int) -> list[MicroBatch]: ...
+
+
 def preflight(
     module: nn.Module,
     step_batch: Any,
@@ -156,7 +165,7 @@ def preflight(
     *,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     precision: str | int = "32-true",
-    hooks: BatchHooks | None = None,
+    hooks: MicroBatchCutter | None = None,
 ) -> Preflight:
     """Trace a split-mode step at two micro-batch sizes on fake tensors, and fit ``peak(b)`` on the two peaks.
 
@@ -243,7 +252,7 @@ def _trace(
     sizes: list[int],
     optimizers: Sequence[torch.optim.Optimizer] | None,
     precision: StepPrecision,
-    hooks: BatchHooks | None,
+    hooks: MicroBatchCutter | None,
 ) -> tuple[dict[int, int], int]:
     on_cuda = any(p.device.type == "cuda" for p in module.parameters())
     fake = FakeTarget("cuda" if on_cuda else "cpu")
@@ -276,7 +285,7 @@ def _configured(step: FakeStep) -> list[torch.optim.Optimizer]:
             "`optimizers` must be given for a model sharded with FSDP2: `configure_optimizers()` on the copy would"
             " step its unsharded parameters. Pass `trainer.optimizers`."
         )
-    return optimizers_of(step.module.configure_optimizers())
+    return configured_optimizers(step.module)
 
 
 def _syncing_last(step: FakeStep, k: int) -> Callable[[Any], Any]:
@@ -305,13 +314,17 @@ def _as_in_training(
     fake, and would go to the real Trainer.
     """
     global _tracing
+
+    def copied_optimizers(use_pl_optimizer: bool = True) -> Any:
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
     _compat.report_device(model, torch.device("cpu"))  # where fake tensors live, whatever device they stand for
     for sub in model.modules():
         if isinstance(sub, pl.LightningModule):
-            sub.log = sub.log_dict = _ignore  # type: ignore[method-assign]
-            sub.optimizers = lambda use_pl_optimizer=True: optimizers[0] if len(optimizers) == 1 else optimizers  # type: ignore[method-assign]
+            sub.log = sub.log_dict = _ignore  # type: ignore[method-assign]  # the fake copy's, on purpose
+            sub.optimizers = copied_optimizers  # type: ignore[method-assign]  # the fake copy's, on purpose
     if isinstance(model, pl.LightningModule) and trainer is not None:
-        model.trainer = _TrainerView(trainer, optimizers)  # type: ignore[assignment]
+        model.trainer = _TrainerView(trainer, optimizers)  # type: ignore[assignment]  # a read-only stand-in
     _tracing += 1
     try:
         yield

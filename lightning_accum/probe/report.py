@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_accum.memory.sizes import UNITS, format_size, size_unit
 from lightning_accum.memory.tracker import CATEGORIES
@@ -128,7 +128,20 @@ def _budget_lines(result: ProbeResult) -> list[str]:
     ]
 
 
-def _prediction_lines(result: ProbeResult) -> list[str]:
+class _Predicted(Protocol):
+    """What `_prediction_lines` reads: a `ProbeResult` or a `TokenProbeResult`."""
+
+    @property
+    def target(self) -> str | None: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def headroom(self) -> float: ...
+
+
+def _prediction_lines(result: _Predicted) -> list[str]:
     if result.target is None:
         return []
     lines = [
@@ -140,7 +153,11 @@ def _prediction_lines(result: ProbeResult) -> list[str]:
             "For CUDA: counted in the caching allocator's 512-byte blocks, with CUDA's foreach optimizer; attention "
             "runs the CPU's flash kernel, which keeps what CUDA's fused kernels keep. Not seen: the CUDA context, "
             "cuBLAS workspaces, NCCL buffers, fragmentation, a math-path attention fallback and CUDA's own autocast "
-            f"op lists; {result.headroom:.0%} of a budget is kept free for them."
+            + (
+                f"op lists; {result.headroom:.0%} of a budget is kept free for them."
+                if result.headroom
+                else "op lists; none of the budget is kept free for them (headroom 0): count them in the budget."
+            )
         )
     return lines
 
@@ -278,11 +295,8 @@ def plot(result: ProbeResult, path: str | Path) -> Path:
     return path
 
 
-def figure(result: ProbeResult) -> Any:
-    """A matplotlib figure: the stacked peak breakdown per configuration, and peak against ``b``.
-
-    The second panel has the fitted line, the budget, the part of it the recommendation measures against (the budget
-    less its `headroom`, drawn when there is one) and the recommended ``b``, each labelled.
+def pyplot(needed_by: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed), or an error that says how to install it.
 
     Raises:
         ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
@@ -293,9 +307,20 @@ def figure(result: ProbeResult) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            "`ProbeResult.plot` needs matplotlib: pip install 'lightning-accum[report]'."
-        ) from err
+        raise ModuleNotFoundError(f"`{needed_by}` needs matplotlib: pip install 'lightning-accum[report]'.") from err
+    return plt
+
+
+def figure(result: ProbeResult) -> Any:
+    """A matplotlib figure: the stacked peak breakdown per configuration, and peak against ``b``.
+
+    The second panel has the fitted line, the budget, the part of it the recommendation measures against (the budget
+    less its `headroom`, drawn when there is one) and the recommended ``b``, each labelled.
+
+    Raises:
+        ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
+    """
+    plt = pyplot("ProbeResult.plot")
     fig, (ax_bar, ax_fit) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     unit = table_unit(result)
     _plot_breakdown(ax_bar, result, unit)

@@ -177,6 +177,10 @@ class BatchPlan:
         """
         return {path: role for path, role, _ in _parts(self._root, "batch", self._entries)}
 
+    def row_tensors(self) -> list[Any]:
+        """The tensors (and arrays) of the batch that are cut along dim 0, in the batch's order."""
+        return [node.obj for _, role, node in _parts(self._root, "batch", self._entries) if role == "rows"]
+
     def sequence_fields(self, sequence_dim: int, length: int) -> list[str]:
         """The paths of the sequence fields: the tensors with rows whose dim ``sequence_dim`` has size ``length``.
 

@@ -912,3 +912,241 @@ def test_the_monitor_logs_what_its_trainer_free_core_makes_of_the_owners_reports
     for step, row in rows.items():
         assert {key: row[key] for key in same} == pytest.approx({key: replayed[step][key] for key in same})
         assert set(row) - {"epoch"} == set(replayed[step])  # the same keys, no more and no fewer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# split mode by tokens: the token budget, the padding and the micro-batches (issue 21, item 4)
+# ----------------------------------------------------------------------------------------------------------------
+TOKEN_BUDGET = 96
+TOKEN_STEP_BATCH = 16
+
+
+def token_fit(tmp_path, loggers, callbacks, *, budget=TOKEN_BUDGET, **trainer_kwargs):
+    """A real fit split by tokens: 48 log-normal sequences padded to 56, 3 steps of 16 at a pinned token budget."""
+    import functools
+
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.items import CountTokens
+    from lightning_accum.sequences import PaddedSequences
+    from tests.token_models import TinyCausalLM, TokenSequences, lognormal_lengths, pad_right
+
+    lengths = lognormal_lengths(48, seed=2)
+    owner = AutoMicroBatching(
+        sequences=PaddedSequences(),
+        micro_batch_tokens=budget,
+        pin_micro_batch_size=True,
+        count_items=CountTokens("labels", shift=1),
+    )
+    model = TinyCausalLM()
+    trainer = make_trainer(tmp_path, [owner, *callbacks], logger=loggers, **trainer_kwargs)
+    collate = functools.partial(pad_right, pad_to=56)
+    trainer.fit(model, DataLoader(TokenSequences(lengths, seed=1), batch_size=TOKEN_STEP_BATCH, collate_fn=collate))
+    return trainer, model, lengths
+
+
+def token_steps(shapes: list[tuple[int, int]], step_indices: list[list[int]], lengths: list[int]) -> list[dict]:
+    """Each step's figures worked out from what the model computed: its micro-batches' (samples, length) shapes."""
+    remaining, steps = iter(shapes), []
+    for indices in step_indices:
+        ran: list[tuple[int, int]] = []
+        while sum(b for b, _ in ran) < len(indices):
+            ran.append(next(remaining))
+        padded, real = sum(b * n for b, n in ran), sum(lengths[i] for i in indices)
+        steps.append({"padding": 1 - real / padded, "micro_batches": len(ran), "largest": max(b for b, _ in ran)})
+    assert next(remaining, None) is None  # every micro-batch belongs to a step: none ran twice
+    return steps
+
+
+def test_split_by_tokens_logs_the_token_budget_and_the_padding_to_wandb_and_csv(tmp_path, wandb_offline):
+    wandb_logger = WandbLogger(project="accum", save_dir=str(tmp_path))
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer, model, lengths = token_fit(tmp_path, [wandb_logger, csv_logger], [AccumulationMonitor()])
+    finish_wandb()
+
+    expected = token_steps(model.micro_batch_shapes, model.step_indices, lengths)
+    assert trainer.global_step == len(expected) == 3
+    assert all(b * n <= TOKEN_BUDGET for b, n in model.micro_batch_shapes)  # (no sequence is longer than 96)
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
+    logged, csv_rows = wandb_steps(run), read_csv(csv_logger.log_dir)
+    assert sorted(logged) == sorted(csv_rows) == [0, 1, 2]
+    for step, want in enumerate(expected):
+        for row in (logged[step], csv_rows[step]):
+            assert EVERY_STEP_KEYS <= row.keys()
+            assert row[keys.MICRO_BATCH_TOKENS] == TOKEN_BUDGET
+            assert row[keys.PADDING_FRACTION] == pytest.approx(want["padding"], rel=1e-9)
+            # The step's own micro-batches (this rank's), and the samples of the largest of them.
+            assert row[keys.ACCUMULATION_STEPS] == want["micro_batches"]
+            assert row[keys.MICRO_BATCH_SIZE] == want["largest"]
+            assert row[keys.EFFECTIVE_BATCH_SIZE] == TOKEN_STEP_BATCH
+    # Sorting and trimming leave far less padding than the step batch at its padded width would compute.
+    full_width = 1 - sum(lengths) / (len(lengths) * 56)
+    assert max(w["padding"] for w in expected) < 0.5 * full_width
+
+    # W&B: the padding's run summary is its mean over the logged steps (what padding cost the run); the budget's, its
+    # last value.
+    mean = sum(w["padding"] for w in expected) / len(expected)
+    assert run.metrics[keys.PADDING_FRACTION] == {"step_metric": STEP_METRIC, "summary": ["mean"]}
+    assert run.summary[keys.PADDING_FRACTION] == {"mean": pytest.approx(mean, rel=1e-9)}
+    assert run.metrics[keys.MICRO_BATCH_TOKENS]["step_metric"] == STEP_METRIC
+    assert run.summary[keys.MICRO_BATCH_TOKENS] == TOKEN_BUDGET
+
+
+def test_split_by_tokens_the_token_figures_reach_callback_metrics_at_every_step(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # Logged at step 1 only; ModelCheckpoint reads the padding at every step, and is not warned about it.
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor=keys.PADDING_FRACTION, mode="min", every_n_train_steps=1, save_top_k=-1
+    )
+    seen = RecordsStepMetrics()
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    callbacks = [AccumulationMonitor(logging_interval=2), seen, checkpoint]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, model, lengths = token_fit(tmp_path, csv_logger, callbacks, enable_checkpointing=True)
+    assert not [w for w in caught if "AccumulationMonitor" in str(w.message)]
+
+    expected = token_steps(model.micro_batch_shapes, model.step_indices, lengths)
+    assert len(seen.by_step) == len(expected) == 3
+    for metrics, want in zip(seen.by_step, expected, strict=True):
+        assert metrics[keys.MICRO_BATCH_TOKENS] == TOKEN_BUDGET
+        assert metrics[keys.PADDING_FRACTION] == pytest.approx(want["padding"], rel=1e-6)
+        assert metrics[keys.ACCUMULATION_STEPS] == want["micro_batches"]
+    assert sorted(float(s) for s in checkpoint.best_k_models.values()) == pytest.approx(
+        sorted(w["padding"] for w in expected), rel=1e-6
+    )
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [1]  # a logging step logs its own (last) step's padding, as the batch figures
+    assert rows[1][keys.PADDING_FRACTION] == pytest.approx(expected[1]["padding"], rel=1e-9)
+
+
+def test_a_run_split_by_samples_logs_no_token_key(tmp_path, wandb_offline):
+    # A guard: the token keys belong to runs split by tokens; a run by samples logs, and defines, what it did before.
+    from lightning_accum import AutoMicroBatching
+
+    model = RegressionModel()
+    model.split_mode = True
+    loggers = [WandbLogger(project="accum", save_dir=str(tmp_path)), CSVLogger(str(tmp_path), name="csv")]
+    trainer = make_trainer(tmp_path, [AutoMicroBatching(4, max_memory=0.5), AccumulationMonitor()], logger=loggers)
+    trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16))
+    finish_wandb()
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
+    seen = {*run.metrics, *run.summary, *(k for row in run.history for k in row)}
+    seen |= {k for row in read_csv(loggers[1].log_dir).values() for k in row} | set(trainer.callback_metrics)
+    assert not set(keys.TOKEN_KEYS) & seen
+    assert not {"mb_tokens", "pad"} & set(trainer.progress_bar_metrics)
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_split_by_tokens_the_progress_bar_shows_the_token_budget_and_the_padding(tmp_path, bar):
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    progress = TQDMProgressBar() if bar == "tqdm" else RichProgressBar()
+    callbacks = [AccumulationMonitor(), progress]
+    trainer, model, lengths = token_fit(tmp_path, False, callbacks, enable_progress_bar=True)
+    last = token_steps(model.micro_batch_shapes, model.step_indices, lengths)[-1]
+    shown = progress.get_metrics(trainer, model)
+    pad = f"{last['padding']:.2f}"
+    assert (shown["mb_tokens"], shown["pad"]) == (str(TOKEN_BUDGET), pad)  # text, as the other figures
+    assert (shown["mb"], shown["k"]) == (str(last["largest"]), str(last["micro_batches"]))
+    fields = [
+        ("mb", last["largest"]),
+        ("k", last["micro_batches"]),
+        ("mb_tokens", TOKEN_BUDGET),
+        ("pad", pad),
+        ("mem/budget", shown["mem/budget"]),
+    ]
+    if bar == "tqdm":
+        drawn = progress.train_progress_bar.postfix
+        assert drawn.endswith(", ".join(f"{key}={value}" for key, value in fields)), drawn
+    else:
+        drawn = " ".join(progress._metric_component._generate_metrics_texts())
+        assert drawn.endswith(" ".join(f"{key}: {value}" for key, value in fields)), drawn
+
+
+def test_split_by_tokens_the_end_of_fit_summary_gives_the_token_budget_and_the_padding(tmp_path, caplog):
+    import logging
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    with caplog.at_level(logging.INFO):
+        _, model, lengths = token_fit(tmp_path, csv_logger, [AccumulationMonitor()])
+    expected = token_steps(model.micro_batch_shapes, model.step_indices, lengths)
+    mean = sum(w["padding"] for w in expected) / len(expected)
+    largest = [w["largest"] for w in expected]
+    line = summary_line(caplog)
+    assert line.startswith("lightning_accum: 3 optimizer steps, effective batch 16 samples; ")
+    assert f"; micro-batch budget {TOKEN_BUDGET} tokens ({min(largest)} to {max(largest)} samples); " in line
+    assert f"; padding {mean:.0%} of the token positions computed (mean over steps); " in line
+    assert "settled" not in line  # the budget never moved; the samples a micro-batch holds follow the lengths
+    logged = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())["lightning_accum_summary"]
+    assert logged["micro_batch_tokens_settled"] == TOKEN_BUDGET
+    assert logged["padding_fraction_mean"] == pytest.approx(mean, rel=1e-9)
+    assert "micro_batch_size_settled" not in logged
+
+
+class WritesTokenRun(WritesStepMetrics):
+    """`WritesStepMetrics`, with the micro-batches the rank's model computed and the samples of each step."""
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        import json
+
+        record = {"shapes": pl_module.micro_batch_shapes, "indices": pl_module.step_indices}
+        (self.directory / f"rank{trainer.global_rank}.tokens.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_batches(tmp_path):
+    # Rank 0's step batches hold long sequences, rank 1's short ones: at 48 tokens, rank 0 runs 4 micro-batches a step
+    # ([30], [22, 17], [12, 9, 8, 5], [3]: 125 positions for 106 tokens) and rank 1 one ([6, ..., 2] x 8: 48 for 29).
+    import json
+
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.items import CountTokens
+    from lightning_accum.sequences import PaddedSequences
+    from tests.test_token_split_ddp import LONG, SHORT
+    from tests.test_uneven_ranks import RankBatches
+    from tests.token_models import TinyCausalLM, TokenSequences, pad_right
+
+    budget, steps = 48, 3
+    lengths = (LONG + SHORT) * steps
+    per_rank = [[list(range(16 * s + 8 * r, 16 * s + 8 * r + 8)) for s in range(steps)] for r in (0, 1)]
+    owner = AutoMicroBatching(
+        sequences=PaddedSequences(),
+        micro_batch_tokens=budget,
+        pin_micro_batch_size=True,
+        count_items=CountTokens("labels", shift=1),
+    )
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
+    callbacks = [owner, CountsCollectives(logging_interval=2), WritesTokenRun(tmp_path)]
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    trainer = make_trainer(
+        tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=2, use_distributed_sampler=False
+    )
+    loader = DataLoader(TokenSequences(lengths, seed=3), batch_sampler=RankBatches(per_rank), collate_fn=pad_right)
+    trainer.fit(TinyCausalLM(), loader)
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    runs = [json.loads((tmp_path / f"rank{r}.tokens.json").read_text()) for r in (0, 1)]
+    figures = [token_steps([tuple(s) for s in run["shapes"]], run["indices"], lengths) for run in runs]
+    assert [[f["micro_batches"] for f in rank] for rank in figures] == [[4] * steps, [1] * steps]
+    # Each rank's own padding, from what its model computed, is the figure worked out by hand; the step's is both's.
+    assert [f["padding"] for f in figures[0]] == pytest.approx([1 - 106 / 125] * steps)
+    assert [f["padding"] for f in figures[1]] == pytest.approx([1 - 29 / 48] * steps)
+    all_ranks = [1 - (106 + 29) / (125 + 48)] * steps
+
+    rows = read_csv(csv_logger.log_dir)
+    assert sorted(rows) == [1]
+    assert rows[1][keys.PADDING_FRACTION] == pytest.approx(all_ranks[1], rel=1e-9)  # all ranks' positions
+    assert rows[1][keys.MICRO_BATCH_TOKENS] == budget
+    assert rows[1][keys.ACCUMULATION_STEPS] == 4  # the logging rank's (rank 0's) own micro-batches
+    assert rows[1][keys.MICRO_BATCH_SIZE] == 8  # the largest micro-batch of any rank: rank 1's 8 short sequences
+    for rank, (record, own) in enumerate(zip(ranks, figures, strict=True)):
+        for step, metrics in enumerate(record["metrics"]):
+            # Every rank sees the same budget and padding; the number of micro-batches is each rank's own.
+            assert metrics[keys.PADDING_FRACTION] == pytest.approx(all_ranks[step], rel=1e-6)  # (float32)
+            assert metrics[keys.MICRO_BATCH_TOKENS] == budget
+            assert metrics[keys.ACCUMULATION_STEPS] == own[step]["micro_batches"], rank
+        # No collective between the logging steps by tokens either: the figures came in the owner's report.
+        assert [n for s, n in enumerate(record["collectives"]) if s not in rows] == [0, 0]

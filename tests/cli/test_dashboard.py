@@ -44,7 +44,20 @@ def test_dashboard_output_writes_the_spec_without_network(tmp_path, no_network, 
         logged = set(next(csv.reader(f))) - {"step", "epoch"}
     drawn = spec_metric_keys(spec)
     assert logged <= drawn
-    assert drawn - logged <= {keys.PEAK_RESERVED_GIB, keys.ALLOC_RETRIES, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS}
+    optional = {keys.PEAK_RESERVED_GIB, keys.ALLOC_RETRIES, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.TOKEN_KEYS}
+    assert drawn - logged <= optional
+
+
+def test_the_dashboard_draws_every_key_a_run_split_by_tokens_logs(tmp_path, no_network):
+    from tests.callbacks.test_monitor import token_fit
+
+    output = tmp_path / "spec.json"
+    assert main(["dashboard", "--entity", "team", "--project", "proj", "--output", str(output)]) == 0
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    token_fit(tmp_path, csv_logger, [AccumulationMonitor()])
+    with open(f"{csv_logger.log_dir}/metrics.csv") as f:
+        logged = set(next(csv.reader(f))) - {"step", "epoch"}
+    assert set(keys.TOKEN_KEYS) <= logged <= spec_metric_keys(json.loads(output.read_text()))
 
 
 def test_dashboard_needs_entity_and_project(capsys, tmp_path):
@@ -145,7 +158,7 @@ def test_the_users_own_metrics_get_panels(tmp_path, no_network, capsys):
     assert main(argv) == 0
     spec = json.loads(output.read_text())
     sections = {section.name: section.panels for section in _workspace(spec).sections}
-    assert list(sections) == ["Batch", "Noise scale", "Memory", "Recovery", "Throughput", USER_SECTION]
+    assert list(sections) == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput", USER_SECTION]
     assert [panel.metric_regex for panel in sections[USER_SECTION][:2]] == ["^train/.*", "^val/.*"]
     assert [metric.name for metric in sections[USER_SECTION][2].y] == ["train_loss_step"]
 
@@ -164,7 +177,7 @@ def test_no_user_prefixes_means_no_user_section(tmp_path, no_network):
     output = tmp_path / "spec.json"
     assert main(["dashboard", "--entity", "t", "--project", "p", "--user-prefixes", "-o", str(output)]) == 0
     names = [section.name for section in _workspace(json.loads(output.read_text())).sections]
-    assert names == ["Batch", "Noise scale", "Memory", "Recovery", "Throughput"]
+    assert names == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput"]
 
 
 def test_the_capacity_is_a_number_and_the_budget_shares_the_peaks_panel(tmp_path, no_network):

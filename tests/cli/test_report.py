@@ -421,3 +421,76 @@ def test_the_summary_of_a_window_run(window_run):
     assert "Effective batch 8 samples per step, 16 from step 4, 32 from step 8" in text
     assert "micro-batch 8 samples throughout; k = 4 at the end." in text
     assert "No OOMs." in text and "with no memory budget set." in text
+
+
+# ---- split by tokens: the token budget and the padding (issue 21, item 4) -----------------------------------------
+@pytest.fixture(scope="module")
+def token_run(tmp_path_factory) -> tuple[Series, list[dict], Path]:
+    """A real fit split by tokens into a CSV: 3 steps of 16 log-normal sequences at a pinned budget of 96 tokens; the
+    series, each step's figures worked out from what the model computed, and the CSV."""
+    from tests.callbacks.test_monitor import token_fit, token_steps
+
+    tmp_path = tmp_path_factory.mktemp("tokens")
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    _, model, lengths = token_fit(tmp_path, csv_logger, [AccumulationMonitor()])
+    expected = token_steps(model.micro_batch_shapes, model.step_indices, lengths)
+    return load_series(csv_logger.log_dir), expected, Path(csv_logger.log_dir) / "metrics.csv"
+
+
+def _line(ax, key: str):
+    (line,) = [line for line in ax.get_lines() if line.get_label() == key]
+    return line
+
+
+def test_a_run_split_by_tokens_draws_the_token_budget_and_the_padding(token_run, tmp_path, capsys):
+    series, expected, csv_file = token_run
+    figure = build_figure(series)
+    assert _section_names(figure) == ["Batch", "Tokens", "Memory", "Recovery", "Throughput"]
+    axes = _axes(figure)
+    budget, padding = (
+        _line(axes["Token budget"], keys.MICRO_BATCH_TOKENS),
+        _line(axes["Padding"], keys.PADDING_FRACTION),
+    )
+    assert list(budget.get_xdata()) == list(padding.get_xdata()) == [0, 1, 2]
+    assert list(budget.get_ydata()) == [96, 96, 96]
+    assert list(padding.get_ydata()) == pytest.approx([step["padding"] for step in expected], rel=1e-9)
+    assert all(float(t).is_integer() for t in axes["Token budget"].get_yticks())
+    low, high = axes["Padding"].get_ylim()
+    assert low < 0 < max(padding.get_ydata()) < high  # from zero, so that the share reads as a share
+    # The number of micro-batches is the accumulation steps' panel: each step's own.
+    steps = _line(axes["Accumulation steps"], keys.ACCUMULATION_STEPS)
+    assert list(steps.get_ydata()) == [step["micro_batches"] for step in expected]
+    assert {ax.get_xlim() for ax in axes.values()} == {axes["Token budget"].get_xlim()}
+
+    outcome = run_cli(capsys, "report", str(csv_file), "-o", str(tmp_path / "tokens.png"))
+    assert outcome.code == 0 and "Token budget 96 padded tokens per micro-batch throughout" in outcome.out
+    assert (tmp_path / "tokens.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_summary_of_a_run_split_by_tokens(token_run):
+    series, expected, _ = token_run
+    text = summarize(series)
+    paddings = sorted(step["padding"] for step in expected)
+    largest = [step["largest"] for step in expected]
+    assert (
+        f"the largest micro-batch {min(largest)} to {max(largest)} samples; k = {expected[-1]['micro_batches']}" in text
+    )
+    assert (
+        f"Token budget 96 padded tokens per micro-batch throughout; padding {paddings[1]:.1%} of the token positions"
+        " computed (median of the logged steps)." in text
+    )
+    assert "settled" not in text
+
+
+def test_by_tokens_the_summary_infers_no_world_size_from_the_micro_batch():
+    # By samples, 16 samples a step in 2 micro-batches of 4 mean 2 ranks; by tokens, 4 is only the largest micro-batch.
+    series: Series = {
+        keys.EFFECTIVE_BATCH_SIZE: [(0.0, 16.0)],
+        keys.MICRO_BATCH_SIZE: [(0.0, 4.0)],
+        keys.ACCUMULATION_STEPS: [(0.0, 2.0)],
+    }
+    assert "k = 2 at the end on 2 ranks." in summarize(series)
+    tokens = {**series, keys.MICRO_BATCH_TOKENS: [(0.0, 64.0)], keys.PADDING_FRACTION: [(0.0, 0.125)]}
+    text = summarize(tokens)
+    assert "k = 2 at the end." in text and "ranks" not in text
+    assert "Token budget 64 padded tokens per micro-batch throughout; padding 12.5% of" in text

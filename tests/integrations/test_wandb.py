@@ -18,6 +18,7 @@ from lightning_accum.integrations import wandb_offline as reader
 from lightning_accum.integrations.wandb import (
     CONFIG_KEY,
     MAX_SUMMARY_KEYS,
+    MEAN_SUMMARY_KEYS,
     NO_SUMMARY_KEYS,
     PANEL_LAYOUT,
     STEP_METRIC,
@@ -34,7 +35,7 @@ from lightning_accum.monitoring import BUDGET_FRACTION
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
 
-CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS}
+CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.TOKEN_KEYS}
 
 
 def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
@@ -46,7 +47,7 @@ def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
     rows.append({STEP_METRIC: 3, keys.WINDOW_LOSS: math.nan, "blob": "x" * 100_000, "flag": True, "none": None})
     settings = {"mode": "window", "k": 4, "schedule": {"0": 2, "10": 4}, "fn": len}
     run = wandb.init(project="accum", dir=str(tmp_path))
-    define_metrics(run)
+    define_metrics(run, tokens=True)
     record_config(run, settings)
     for row in rows:
         run.log(row)
@@ -67,15 +68,36 @@ def test_reader_returns_history_summary_config_and_metric_definitions(tmp_path, 
     assert [row["_step"] for row in run] == [0, 1, 2, 3]
     assert run.column(keys.PEAK_GIB) == [(0, 1.5), (1, 3.25), (2, 2.0)]
 
-    # define_metrics: every contract key against trainer/global_step, max summaries for the peaks.
+    # define_metrics: every contract key against trainer/global_step, max summaries for the peaks, the padding's mean.
     for key in CONTRACT_KEYS:
         assert run.metrics[key]["step_metric"] == STEP_METRIC, key
         expected = ["max"] if key in MAX_SUMMARY_KEYS else ["none"] if key in NO_SUMMARY_KEYS else []
+        expected = ["mean"] if key in MEAN_SUMMARY_KEYS else expected
         assert run.metrics[key]["summary"] == expected, key
     assert run.summary[keys.PEAK_GIB] == {"max": 3.25}
     assert run.summary[keys.EFFECTIVE_BATCH_SIZE] == 24  # the last value
     # record_config: the settings under one entry, made JSON-safe (a function becomes its repr).
     assert run.config[CONFIG_KEY] == {**settings, "fn": repr(len)}
+
+
+class DefinedMetrics:
+    """Stands in for a W&B run: the keys `define_metrics` defines on it, and how."""
+
+    def __init__(self) -> None:
+        self.defined: dict[str, dict] = {}
+
+    def define_metric(self, name: str, **kwargs) -> None:
+        self.defined[name] = kwargs
+
+
+def test_the_token_keys_are_defined_only_for_a_run_split_by_tokens():
+    by_samples, by_tokens = DefinedMetrics(), DefinedMetrics()
+    define_metrics(by_samples, "p/")
+    define_metrics(by_tokens, "p/", tokens=True)
+    assert set(by_tokens.defined) - set(by_samples.defined) == {"p/" + key for key in keys.TOKEN_KEYS}
+    assert by_tokens.defined["p/" + keys.PADDING_FRACTION]["summary"] == "mean"  # the run's typical padding
+    assert "summary" not in by_tokens.defined["p/" + keys.MICRO_BATCH_TOKENS]  # its last value: where it settled
+    assert by_tokens.defined["p/" + keys.MICRO_BATCH_TOKENS]["step_metric"] == STEP_METRIC
 
 
 def test_reader_accepts_a_file_a_run_directory_or_a_wandb_directory(tmp_path, wandb_offline):
@@ -166,13 +188,16 @@ def test_dashboard_spec_is_built_offline_and_names_exactly_the_contract_keys(no_
     assert spec["entity"] == "my-team" and spec["project"] == "my-project"
     assert spec_metric_keys(spec) == CONTRACT_KEYS == set(layout_keys())
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
-    assert [s["name"] for s in sections] == ["Batch", "Noise scale", "Memory", "Recovery", "Throughput"]
+    assert [s["name"] for s in sections] == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput"]
     panels = [p for s in sections for p in s["panels"]]
     assert {p["config"]["xAxis"] for p in panels if "xAxis" in p["config"]} == {STEP_METRIC}
     assert spec["spec"]["section"]["settings"]["xAxis"] == STEP_METRIC
     # The budget is drawn in the same panel as the peak fraction, so the limit is visible next to the peak.
     fraction = next(p for p in panels if p["config"]["chartTitle"] == "Peak fraction vs budget")
     assert fraction["config"]["metrics"] == [keys.PEAK_FRACTION, BUDGET_FRACTION]
+    # Split by tokens: the budget and the padding, a panel each (tokens and a fraction share no axis).
+    tokens = {p["config"]["chartTitle"]: p["config"]["metrics"] for p in sections[1]["panels"]}
+    assert tokens == {"Token budget": [keys.MICRO_BATCH_TOKENS], "Padding": [keys.PADDING_FRACTION]}
     assert json.loads(spec_to_json(workspace))["spec"]["section"]["panelBankConfig"]["sections"][0]["name"] == "Batch"
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from lightning_accum.probe import load_cli_config
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.probe import models
 
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = "tests.probe.models"
 DATA = ["--data", f"{MODELS}:RegressionData"]
 PROBE = ["probe", "--model", f"{MODELS}:ActHeavy", *DATA]
@@ -256,3 +260,87 @@ def test_cli_target_needs_the_meta_device(capsys):
 def test_cli_precision_must_be_lightnings(capsys):
     outcome = run_cli(capsys, *PROBE, "--precision", "fp8")
     assert_one_error_line(outcome, "--precision", "'fp8'", "bf16-mixed", code=2)
+
+
+def test_cli_headroom_replaces_the_share_kept_free(capsys, measuring):
+    argv = [*SMALL, "--device", "meta", "--target", "cuda", "--max-memory", "1MiB", "--json"]
+    kept = json.loads(run_cli(capsys, *PROBE, *argv).out)
+    none = json.loads(run_cli(capsys, *PROBE, *argv, "--headroom", "0").out)
+    assert (kept["headroom"], none["headroom"]) == (0.1, 0.0)
+    assert none["fitting_micro_batch_size"] >= kept["fitting_micro_batch_size"]
+    assert not any("keeping" in line for line in none["findings"])
+    outcome = run_cli(capsys, *PROBE, "--headroom", "1.5")
+    assert_one_error_line(outcome, "`--headroom` must be a fraction in [0, 1)", "1.5")
+
+
+# ---- by tokens: --sequences -----------------------------------------------------------------------------------------
+
+TOKENS = [
+    "probe",
+    "--model",
+    f"{MODELS}:TokenLM",
+    "--data",
+    f"{MODELS}:token_batch",
+    "--data-init-args",
+    '{"seq_len": 32, "lengths": [32, 20, 9, 5]}',
+    "--batch-size",
+    "4",
+]
+TOKEN_GRID = ["--sequence-lengths", "8", "16", "32", "--fit-micro-batch-sizes", "1", "2", "4", "--steps", "1"]
+
+
+def test_cli_answers_in_tokens_with_the_snippet(capsys, tmp_path, measuring):
+    outcome = run_cli(
+        capsys, *TOKENS, "--sequences", *TOKEN_GRID, "--max-memory", "1MiB", "--output-dir", str(tmp_path)
+    )
+    assert outcome.code == 0, outcome
+    assert outcome.out.startswith("Peak live tensor memory in KiB on cpu, 32-true, by tokens (PaddedSequences(mask=")
+    assert "- Checked on held-out shapes: fitted on 5 of the shapes, the fit errs" in outcome.out
+    assert "the largest token budget that fits sequences of L=32 is micro_batch_tokens=" in outcome.out
+    assert (
+        "Ready to paste (split mode by tokens):\nfrom lightning_accum.sequences import PaddedSequences\n" in outcome.out
+    )
+    assert "          class_path: lightning_accum.sequences.PaddedSequences\n" in outcome.out
+    data = json.loads((tmp_path / "probe.json").read_text())
+    assert data["unit"] == "tokens" and data["budget_bytes"] == 2**20
+    assert f"micro_batch_tokens={data['fitting_micro_batch_tokens']}," in outcome.out
+    assert all(isinstance(m["passes_peak_bytes"], int) for m in data["measurements"])  # bytes, as numbers
+    assert (tmp_path / "probe.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--sequence-lengths", "16"], ["`--sequence-lengths` needs `--sequences`"]),
+        (["--sequences", "--accumulation-steps", "2"], ["`--accumulation-steps` does not apply with `--sequences`"]),
+        (["--sequences", "shape=3"], ["`--sequences`='shape=3' is not a mask key or `lengths=pkg.mod:fn`"]),
+        (["--sequences", "mask"], ["`--sequences`:", "the batch has no 'mask'", "'attention_mask'"]),
+        (["--sequences", "lengths=no_such_package:lengths"], ["`--sequences`='lengths=no_such_package:lengths'"]),
+        (["--sequences", "--sequence-lengths", "64"], ["`--sequence-lengths` holds 64", "padded to 32 positions"]),
+        (["--sequences", "--fit-micro-batch-sizes", "8"], ["`--fit-micro-batch-sizes` holds 8", "`--batch-size`=4"]),
+    ],
+)
+def test_token_mistakes_are_one_line_before_measuring(capsys, argv, fragments):
+    assert_one_error_line(run_cli(capsys, *TOKENS, *argv), *fragments)
+
+
+def test_a_real_process_answers_in_tokens_on_the_meta_device(tmp_path):
+    # The command as a user runs it: a fresh interpreter, the import paths resolved from the working directory.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [*TOKENS, "--sequences", "attention_mask", *TOKEN_GRID, "--device", "meta", "--max-memory", "1MiB"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_accum.cli.main", *argv, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["unit"], data["device"], data["step_lengths"]) == ("tokens", "meta (as cpu)", [32, 20, 9, 5])
+    fit = data["fit"]
+    assert fit["per_token_length_bytes"] > 0 and fit["holdout_relative_error"] < 0.05
+    assert fit["tokens_only_holdout_relative_error"] > fit["holdout_relative_error"]
+    tokens = data["fitting_micro_batch_tokens"]
+    assert 32 <= tokens <= 4 * 32 and data["snippet"].count(f"micro_batch_tokens={tokens}") == 1

@@ -1,0 +1,228 @@
+"""Split mode by tokens on one process: sorted by length, cut by a token budget, trimmed, and exact (issue 21)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import tests.helpers as h
+from lightning_accum import AutoMicroBatching, sequences
+from lightning_accum.items import CountTokens
+from lightning_accum.memory.oom import OOMFault, OOMInjector
+from lightning_accum.planner import MicroBatchOOMError
+from lightning_accum.sequences import MICRO_BATCH_COST, PaddedSequences, TokenCut
+from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
+
+LR = 0.1
+
+
+# ---- the cut -------------------------------------------------------------------------------------------------------
+
+
+def test_a_step_batch_is_ordered_longest_first_cut_within_the_budget_and_trimmed():
+    dataset = TokenSequences([3, 9, 4, 4, 1, 6])
+    batch = pad_right([dataset[i] for i in range(6)])
+    cut = PaddedSequences(mask="attention_mask").cut(batch)
+    assert cut.order == [1, 5, 2, 3, 0, 4] and cut.lengths == [9, 6, 4, 4, 3, 1]  # a stable sort, longest first
+    # At 12 a micro-batch costs 12 // 32 = 0 tokens more: 9 alone (2 x 9 > 12), and only equal lengths share one.
+    assert [m.batch["index"].tolist() for m in cut.split(batch, 12)] == [[1], [5], [2, 3], [0], [4]]
+    stats = cut.stats(12)
+    assert (stats.padded, stats.real, stats.largest, stats.micro_batches) == (27, 27, 9, 5)
+    # At 128 one costs 4 more: 9 + 6 share one (3 padded < 4), and 4, 4, 3, 1 another (4 padded < 1 + 4).
+    micro_batches = cut.split(batch, 128)
+    assert [m.batch["index"].tolist() for m in micro_batches] == [[1, 5], [2, 3, 0, 4]]
+    assert [tuple(m.batch["input_ids"].shape) for m in micro_batches] == [(2, 9), (4, 4)]
+    for micro in micro_batches:
+        for row, index in enumerate(micro.batch["index"].tolist()):
+            n = len(dataset[index]["input_ids"])
+            torch.testing.assert_close(micro.batch["input_ids"][row, :n], dataset[index]["input_ids"])
+    stats = cut.stats(128)
+    assert (stats.padded, stats.real, stats.largest, stats.micro_batches) == (2 * 9 + 4 * 4, 27, 18, 2)
+
+
+def cheapest_cut(lengths: list[int], budget: int) -> list[list[int]]:
+    """By brute force over every cut into consecutive micro-batches (lengths longest first): the one `TokenCut.groups`
+    must give. Each micro-batch within the budget (or one sequence alone), costing its padded tokens plus
+    ``budget // MICRO_BATCH_COST``; of equal costs, the one with fewer micro-batches."""
+    n, overhead, best = len(lengths), budget // MICRO_BATCH_COST, None
+    for mask in range(2 ** (n - 1)):
+        stops = [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        groups, start = [], 0
+        for stop in stops:
+            groups.append(lengths[start:stop])
+            start = stop
+        if any(len(g) > 1 and len(g) * g[0] > budget for g in groups):
+            continue
+        key = (sum(overhead + len(g) * g[0] for g in groups), len(groups))
+        if best is None or key < best[0]:
+            best = (key, groups)
+    assert best is not None
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_cut_is_the_cheapest_within_the_budget(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 11, (1,), generator=g))
+    lengths = sorted(lognormal_lengths(n, seed=seed, median=20, cap=200), reverse=True)
+    budget = int(torch.randint(8, 1200, (1,), generator=g))
+    cut = TokenCut(None, list(range(n)), lengths, max(lengths), 1)
+    groups = [lengths[r.start : r.stop] for r in cut.groups(budget)]
+    assert groups == cheapest_cut(lengths, budget), (lengths, budget)
+    assert [i for r in cut.groups(budget) for i in r] == list(range(n))  # every sample once, in order
+    stats = cut.stats(budget)
+    assert stats.micro_batches == len(groups) and stats.padded == sum(len(m) * m[0] for m in groups)
+    assert stats.largest <= max(budget, lengths[0])
+    # Never more padded tokens than filling each micro-batch to the budget, counting what a micro-batch costs.
+    greedy, start = [], 0
+    while start < n:
+        count = max(1, budget // lengths[start])
+        greedy.append(lengths[start : start + count])
+        start += count
+    cost = budget // MICRO_BATCH_COST
+    assert sum(cost + len(m) * m[0] for m in groups) <= sum(cost + len(m) * m[0] for m in greedy)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_long_windows_vectorized_minimum_cuts_as_the_short_windows_loop(monkeypatch, seed):
+    lengths = sorted(lognormal_lengths(300, seed=seed, median=6, cap=120), reverse=True)
+    cuts = {}
+    for short_window in (0, 10**9):  # every window vectorized, then none
+        monkeypatch.setattr(sequences, "_SHORT_WINDOW", short_window)
+        cut = TokenCut(None, list(range(300)), lengths, lengths[0], 1)
+        cuts[short_window] = [[(r.start, r.stop) for r in cut.groups(budget)] for budget in (7, 64, 500, 2000, 9000)]
+    assert cuts[0] == cuts[10**9]
+    assert len({len(groups) for groups in cuts[0]}) > 2  # the budgets cut differently
+
+
+def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own():
+    cut = TokenCut(None, [0, 1, 2], [20, 18, 2], 20, 1)
+    assert [list(g) for g in cut.groups(8)] == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        ([[0, 1, 1], [1, 1, 0]], r"sample 0 of the step batch is left-padded.*padding_side = 'right'"),
+        ([[1, 1, 0], [0, 0, 1]], r"sample 1 of the step batch is left-padded"),
+    ],
+)
+def test_left_padding_is_refused_with_a_clear_error(mask, match):
+    with pytest.raises(ValueError, match=match):
+        PaddedSequences(mask="attention_mask").lengths({"attention_mask": torch.tensor(mask)})
+
+
+def test_lengths_from_a_function_and_the_padded_length_from_the_batch():
+    batch = {"ids": torch.zeros(3, 10), "scores": torch.zeros(3, 2), "n": torch.tensor([4, 7, 2])}
+    cut = PaddedSequences(lengths=lambda b: b["n"]).cut(batch)
+    assert cut.padded_length == 10 and cut.lengths == [7, 4, 2]
+    # At 128 a micro-batch costs 4 tokens more: 4 and 2 share one (2 padded), 7 runs alone (with them: 8 padded).
+    assert [tuple(m.batch["ids"].shape) for m in cut.split(batch, 128)] == [(1, 7), (2, 4)]
+    assert [tuple(m.batch["scores"].shape) for m in cut.split(batch, 128)] == [(1, 2), (2, 2)]  # not a sequence field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"mask": "attention_mask", "lengths": len}, ValueError, r"takes `mask` or `lengths`, not both"),
+        ({"mask": 1.5}, TypeError, r"`mask` must be a str .* got 1.5"),
+        ({"lengths": 3}, TypeError, r"`lengths` must be a function of the batch"),
+        ({"sequence_dim": 0}, ValueError, r"`sequence_dim` must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_sequences_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PaddedSequences(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"micro_batch_tokens": 64}, r"`micro_batch_tokens=64` needs `sequences=`"),
+        ({"sequences": PaddedSequences(), "micro_batch_size": 8}, r"`micro_batch_size=8` does not apply with"),
+        ({"sequences": PaddedSequences(), "split_batch": len}, r"`split_batch` does not apply with `sequences=`"),
+    ],
+)
+def test_token_arguments_that_do_not_go_together_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoMicroBatching(**kwargs)
+
+
+# ---- exact, on one process -----------------------------------------------------------------------------------------
+
+
+def fit_tokens(tmp_path, callback, lengths, step_batch=16, steps=None, pad_to=None, **trainer_kwargs):
+    dataset = TokenSequences(lengths, seed=1)
+    model = TinyCausalLM(lr=LR)
+    initial = copy.deepcopy(model)
+    collate = functools.partial(pad_right, pad_to=pad_to)
+    trainer = h.make_trainer(tmp_path, [callback], max_steps=steps or -1, **trainer_kwargs)
+    trainer.fit(model, DataLoader(dataset, batch_size=step_batch, collate_fn=collate))
+    expected = full_batch_reference(initial, dataset, model.step_indices, lr=LR)
+    return model, expected, trainer
+
+
+def token_callback(**kwargs):
+    return AutoMicroBatching(sequences=PaddedSequences(), count_items=CountTokens("labels", shift=1), **kwargs)
+
+
+@pytest.mark.parametrize("budget", [40, 96, 1000])
+def test_token_split_is_exact_against_one_full_batch_pass(tmp_path, budget):
+    lengths = lognormal_lengths(48, seed=2)
+    callback = token_callback(micro_batch_tokens=budget, pin_micro_batch_size=True)
+    model, expected, trainer = fit_tokens(tmp_path, callback, lengths, pad_to=56)
+    assert trainer.global_step == 3
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+    longest = max(lengths)
+    # Within the budget, except a sequence longer than it, alone; trimmed to its longest (not the padded 56).
+    assert all(b * n <= max(budget, longest) and (n <= budget or b == 1) for b, n in model.micro_batch_shapes)
+    assert max(n for _, n in model.micro_batch_shapes) == longest < 56
+    report = callback.last_step_report
+    last = [lengths[i] for i in model.step_indices[-1]]
+    assert report.micro_batch_tokens == min(budget, len(last) * max(last))  # the budget, as far as the step needs it
+    in_one_piece = 1 - sum(last) / (len(last) * max(last))  # the padding of the step in one micro-batch, trimmed
+    assert report.padding_fraction <= in_one_piece + 1e-9 and (budget > 200 or report.padding_fraction < 0.3)
+    assert report.effective_batch_size == 16
+
+
+def test_padding_is_what_the_cut_computes_beyond_the_real_tokens(tmp_path):
+    lengths = [4, 4, 2, 2]
+    callback = token_callback(micro_batch_tokens=8, pin_micro_batch_size=True)
+    model, expected, _ = fit_tokens(tmp_path, callback, lengths, step_batch=4, pad_to=10)
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+    assert model.micro_batch_shapes == [(2, 4), (2, 2)]  # trimmed: no padding left
+    assert callback.last_step_report.padding_fraction == 0.0
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("micro_batch", [0, 1])
+def test_an_oom_re_runs_the_step_at_a_smaller_token_budget_exactly(tmp_path, phase, micro_batch):
+    lengths = lognormal_lengths(32, seed=3)
+    fault = OOMFault(step=1, micro_batch=micro_batch, phase=phase, when_size_above=48)
+    callback = token_callback(micro_batch_tokens=96, fault_injector=OOMInjector(fault), oom_cooldown=5)
+    model, expected, _ = fit_tokens(tmp_path, callback, lengths)
+    assert callback.oom_retries == 1
+    assert [(e.kind, e.before) for e in callback.events if e.kind == "oom_recovered"] == [("oom_recovered", 96)]
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_oom_with_the_longest_sequence_alone_raises_with_the_memory_figures(tmp_path):
+    lengths = [20, 3, 3, 3]
+    fault = OOMFault(step=0, micro_batch=0, phase="forward", times=None)
+    callback = token_callback(micro_batch_tokens=64, fault_injector=OOMInjector(fault))
+    with pytest.raises(
+        MicroBatchOOMError, match=r"longest sequence has 20 tokens and runs in a micro-batch of its own"
+    ):
+        fit_tokens(tmp_path, callback, lengths, step_batch=4)
+
+
+def test_auto_starts_from_the_preflight_in_tokens(tmp_path):
+    lengths = lognormal_lengths(48, seed=4)
+    callback = token_callback(max_memory=0.9)
+    model, expected, _ = fit_tokens(tmp_path, callback, lengths)
+    assert callback.preflight_result is not None and callback.preflight_result.peak_model is not None
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
