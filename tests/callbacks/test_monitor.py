@@ -1104,7 +1104,7 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
 
     from lightning_accum import AutoMicroBatching
     from lightning_accum.items import CountTokens
-    from lightning_accum.sequences import PaddedSequences
+    from lightning_accum.sequences import PaddedSequences, TokenCut
     from tests.test_token_split_ddp import LONG, SHORT
     from tests.test_uneven_ranks import RankBatches
     from tests.token_models import TinyCausalLM, TokenSequences, pad_right
@@ -1130,18 +1130,23 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     runs = [json.loads((tmp_path / f"rank{r}.tokens.json").read_text()) for r in (0, 1)]
     figures = [token_steps([tuple(s) for s in run["shapes"]], run["indices"], lengths) for run in runs]
-    assert [[f["micro_batches"] for f in rank] for rank in figures] == [[4] * steps, [1] * steps]
-    # Each rank's own padding, from what its model computed, is the figure worked out by hand; the step's is both's.
-    assert [f["padding"] for f in figures[0]] == pytest.approx([1 - 106 / 125] * steps)
-    assert [f["padding"] for f in figures[1]] == pytest.approx([1 - 29 / 48] * steps)
-    all_ranks = [1 - (106 + 29) / (125 + 48)] * steps
+    # What each rank's cut gives from its lengths alone: rank 0's long sequences take more micro-batches.
+    cuts = [TokenCut(None, list(range(8)), sorted(own, reverse=True), max(own), 1) for own in (LONG, SHORT)]
+    stats = [cut.stats(budget) for cut in cuts]
+    assert stats[0].micro_batches > stats[1].micro_batches and (stats[0].real, stats[1].real) == (106, 29)
+    assert [[f["micro_batches"] for f in rank] for rank in figures] == [[s.micro_batches] * steps for s in stats]
+    # Each rank's own padding, from what its model computed, is its cut's; the step's is both ranks' positions.
+    for own, cut_stats in zip(figures, stats, strict=True):
+        assert [f["padding"] for f in own] == pytest.approx([1 - cut_stats.real / cut_stats.padded] * steps)
+    all_ranks = [1 - (106 + 29) / (stats[0].padded + stats[1].padded)] * steps
+    largest = max(len(group) for cut in cuts for group in cut.groups(budget))
 
     rows = read_csv(csv_logger.log_dir)
     assert sorted(rows) == [1]
     assert rows[1][keys.PADDING_FRACTION] == pytest.approx(all_ranks[1], rel=1e-9)  # all ranks' positions
     assert rows[1][keys.MICRO_BATCH_TOKENS] == budget
-    assert rows[1][keys.ACCUMULATION_STEPS] == 4  # the logging rank's (rank 0's) own micro-batches
-    assert rows[1][keys.MICRO_BATCH_SIZE] == 8  # the largest micro-batch of any rank: rank 1's 8 short sequences
+    assert rows[1][keys.ACCUMULATION_STEPS] == stats[0].micro_batches  # the logging rank's (rank 0's) own
+    assert rows[1][keys.MICRO_BATCH_SIZE] == largest  # the largest micro-batch of any rank, in samples
     for rank, (record, own) in enumerate(zip(ranks, figures, strict=True)):
         for step, metrics in enumerate(record["metrics"]):
             # Every rank sees the same budget and padding; the number of micro-batches is each rank's own.
