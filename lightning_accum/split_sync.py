@@ -112,7 +112,9 @@ class DDPDeferred(SyncPolicy):
         return self.strategy.block_backward_sync()
 
     def after_step(self, params: Sequence[Tensor], used: list[bool] | None) -> int:
-        return all_reduce_gradients(params, _compat.ddp_process_group(self.strategy), used)
+        allreduces = all_reduce_gradients(params, _compat.ddp_process_group(self.strategy), used)
+        _compat.mark_ddp_synced(self.strategy)
+        return allreduces
 
 
 class DDPOverlap(SyncPolicy):

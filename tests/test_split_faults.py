@@ -421,6 +421,45 @@ def test_overlap_with_buffers_recovers_ooms_before_and_inside_the_first_forward(
     assert [r["allreduces"] for r in ranks] == [5, 5]
 
 
+class RecordsBuffers(BatchNormModel):
+    """Records the batch-norm statistics that each step's first micro-batch starts from."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.step_buffers: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        if len(self.step_buffers) == self.global_step:
+            self.step_buffers.append(self.norm.running_mean.detach().clone())
+        return super().training_step(batch, batch_idx)
+
+
+class SaveBuffers(SaveFigures):
+    def on_train_end(self, trainer: pl.Trainer, pl_module: RecordsBuffers) -> None:
+        super().on_train_end(trainer, pl_module)
+        path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt")
+        figures = torch.load(path, weights_only=False)
+        torch.save({**figures, "step_buffers": pl_module.step_buffers}, path)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gradient_sync", ["deferred", "overlap"])
+def test_every_step_starts_from_rank_zeros_buffers_as_under_plain_ddp(tmp_path, gradient_sync):
+    # DDP broadcasts its buffers (batch-norm statistics) from rank 0 at the start of every step. Deferred mode did so
+    # at step 0 only: its all-reduce never set the flag a synced backward sets, so from step 1 on each rank's
+    # statistics went their own way (the ranks see different samples).
+    model = RecordsBuffers(error="value_error", step=99)
+    callback = AutoMicroBatching(MICRO, count_items=count_tokens, gradient_sync=gradient_sync)
+    trainer = ddp_trainer(tmp_path, [callback, SaveBuffers(str(tmp_path))])
+    trainer.fit(model, DataLoader(TokenDataset(2 * STEP_BATCH * 3, seed=1), batch_size=STEP_BATCH))
+    ranks = load_ranks(tmp_path)
+    assert [len(r["step_buffers"]) for r in ranks] == [3, 3]
+    for step, (rank0, rank1) in enumerate(zip(ranks[0]["step_buffers"], ranks[1]["step_buffers"], strict=True)):
+        torch.testing.assert_close(rank1, rank0, rtol=0, atol=0, msg=f"step {step}")
+    assert not torch.equal(ranks[0]["step_buffers"][0], ranks[0]["step_buffers"][2])  # the statistics did move
+
+
 @pytest.mark.ddp
 @pytest.mark.timeout(120)
 def test_overlap_recovers_an_oom_before_the_first_forward_of_the_step_after_the_first_sync(tmp_path):

@@ -16,6 +16,7 @@ from lightning_accum._compat._version import _LIGHTNING_OK, SUPPORTED_LIGHTNING
 from lightning_accum._compat.ddp import (
     broadcast_ddp_buffers,
     ddp_process_group,
+    mark_ddp_synced,
     prepare_ddp_backward,
     process_group_timeout,
     rebuild_ddp_buckets,
@@ -70,6 +71,7 @@ __all__ = [
     "is_last_training_batch",
     "lightning_loss_divisor",
     "logging_step",
+    "mark_ddp_synced",
     "no_fsdp2_gradient_sync",
     "override_estimated_stepping_batches",
     "prepare_ddp_backward",

@@ -55,6 +55,19 @@ def broadcast_ddp_buffers(strategy: Any) -> None:
     model.require_forward_param_sync = False
 
 
+def mark_ddp_synced(strategy: Any) -> None:
+    """Leave DDP as its own synced backward would: due to broadcast its buffers at the next step's start.
+
+    A forward with gradients to sync sets ``require_forward_param_sync`` (``_post_forward``), and the next forward
+    broadcasts the buffers when it finds it set. Split mode's deferred sync all-reduces the gradients itself after
+    forwards that all ran under ``no_sync``, so nothing sets it: without this, `broadcast_ddp_buffers` broadcast at
+    step 0 only, and the ranks' batch-norm statistics went their own ways from step 1 on.
+    """
+    model = getattr(strategy, "model", None)
+    if isinstance(model, DistributedDataParallel):
+        model.require_forward_param_sync = True
+
+
 def rebuild_ddp_buckets(strategy: Any) -> None:
     """Let DDP rebuild its gradient buckets now, at the start of a step, if it is due to: never inside an attempt.
 

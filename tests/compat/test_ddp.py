@@ -155,6 +155,21 @@ def test_the_buffer_broadcast_happens_once_at_the_step_start_and_no_forward_repe
     _compat.broadcast_ddp_buffers(SimpleNamespace(model=nn.Linear(2, 2), world_size=2))  # not DDP: left alone
 
 
+def test_after_the_deferred_sync_the_next_step_start_broadcasts_the_buffers_again(gloo_group):
+    ddp = DistributedDataParallel(_WithBatchNorm())
+    calls = _counting_buffer_syncs(ddp)
+    strategy = SimpleNamespace(model=ddp, world_size=2)
+    for _ in range(3):  # split mode's deferred step: broadcast, forwards and backwards under no_sync, all-reduce
+        _compat.broadcast_ddp_buffers(strategy)
+        with ddp.no_sync():
+            ddp(torch.randn(4, 3)).backward()
+        assert not ddp.will_sync_module_buffers()  # what DDP leaves after a forward under no_sync
+        _compat.mark_ddp_synced(strategy)
+        assert ddp.will_sync_module_buffers()  # as after its own synced backward
+    assert len(calls) == 3  # one broadcast per step, at its start
+    _compat.mark_ddp_synced(SimpleNamespace(model=nn.Linear(2, 2)))  # not DDP: left alone
+
+
 def test_the_process_group_is_the_one_ddp_reduces_over(gloo_group):
     assert _compat.ddp_process_group(SimpleNamespace(model=DistributedDataParallel(nn.Linear(2, 1)))) is gloo_group
     group = dist.new_group([0], backend="gloo")
