@@ -40,7 +40,14 @@ from torch import Tensor
 from lightning_accum._cli_types import ImportPath, PositiveInt
 from lightning_accum._validation import check_int, import_object
 from lightning_accum.items import lookup
-from lightning_accum.splitting import BatchHooks, BatchPlan, MicroBatch, SequenceTrim, resolve_batch_hooks
+from lightning_accum.splitting import (
+    BatchHooks,
+    BatchPlan,
+    MicroBatch,
+    RowOrder,
+    SequenceTrim,
+    resolve_batch_hooks,
+)
 
 MICRO_BATCH_COST = 32
 """A micro-batch costs as much as ``budget // MICRO_BATCH_COST`` padded tokens beyond its own (see `TokenCut.groups`).
@@ -276,11 +283,11 @@ class TokenCut:
         plan = (
             self.plan if self.plan is not None and batch is self.plan.batch else resolve_batch_hooks(None).plan(batch)
         )
+        order = RowOrder(self.order)  # one index tensor per device for the whole step, not one per micro-batch
         micro_batches = []
         for group in self.groups(budget):
             trim = SequenceTrim(self.sequence_dim, self.padded_length, max(1, self.lengths[group.start]))
-            indices = [self.order[i] for i in group]
-            micro_batches.append(MicroBatch(plan.take(indices, trim=trim), len(group)))
+            micro_batches.append(MicroBatch(plan.take_span(order, group, trim=trim), len(group)))
         return micro_batches
 
     def stats(self, budget: int) -> TokenStats:

@@ -15,6 +15,7 @@ from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.planner import MicroBatchOOMError
 from lightning_accum.sequences import MICRO_BATCH_COST, PaddedSequences, TokenCut
+from lightning_accum.splitting import SequenceTrim
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
 LR = 0.1
@@ -97,6 +98,34 @@ def test_the_long_windows_vectorized_minimum_cuts_as_the_short_windows_loop(monk
         cuts[short_window] = [[(r.start, r.stop) for r in cut.groups(budget)] for budget in (7, 64, 500, 2000, 9000)]
     assert cuts[0] == cuts[10**9]
     assert len({len(groups) for groups in cuts[0]}) > 2  # the budgets cut differently
+
+
+def test_a_step_makes_one_index_tensor_per_device_not_one_per_micro_batch(monkeypatch):
+    # Each micro-batch took its rows with an index tensor of its own: on CUDA a host-to-device copy per micro-batch,
+    # which waits for the work queued before it. The step's sorted order is made into one, which each slices.
+    # At 64 tokens, micro-batches of samples [1, 7], [3, 9], [5, 4], [0, 8, 2, 6]: none consecutive in the batch.
+    dataset = TokenSequences([2, 9, 1, 6, 3, 4, 1, 7, 2, 5])
+    batch = pad_right([dataset[i] for i in range(10)])
+    cut = PaddedSequences(mask="attention_mask").cut(batch)
+    made = []
+    real_tensor = torch.tensor
+
+    def counting_tensor(data, *args, **kwargs):
+        made.append(data)
+        return real_tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    micro_batches = cut.split(batch, 64)
+    monkeypatch.setattr(torch, "tensor", real_tensor)
+    assert [[cut.order[i] for i in g] for g in cut.groups(64)] == [[1, 7], [3, 9], [5, 4], [0, 8, 2, 6]]
+    assert made == [cut.order]  # was one per micro-batch: 4
+    plan = PaddedSequences(mask="attention_mask").cut(batch).plan
+    for micro, group in zip(micro_batches, cut.groups(64), strict=True):  # the rows `take` gives for those indices
+        longest = cut.lengths[group.start]
+        expected = plan.take([cut.order[i] for i in group], trim=SequenceTrim(1, cut.padded_length, longest))
+        assert micro.batch.keys() == expected.keys() and micro.size == len(group)
+        for key in expected:
+            torch.testing.assert_close(micro.batch[key], expected[key], rtol=0, atol=0)
 
 
 def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own():

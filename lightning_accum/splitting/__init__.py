@@ -66,6 +66,7 @@ whose ``sequence_dim`` is the padded length ``from_length``) to ``to_length`` po
 ([[8, 9], [0, 1]], ['c', 'a'])
 """
 
+from lightning_accum.splitting._walk import RowOrder
 from lightning_accum.splitting.hooks import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.splitting.plan import (
     BatchPlan,
@@ -82,6 +83,7 @@ __all__ = [
     "BatchPlan",
     "BatchSizeFn",
     "MicroBatch",
+    "RowOrder",
     "SequenceTrim",
     "SplitBatchFn",
     "batch_size_of",

@@ -23,14 +23,41 @@ if TYPE_CHECKING:
     from lightning_accum.splitting.plan import SequenceTrim
 
 
+class RowOrder:
+    """Sample indices in an order that several cuts take spans of: an index tensor made once per device.
+
+    Split by tokens takes each micro-batch as a span of the step's samples sorted by length. Made per micro-batch, the
+    index tensor is a host-to-device copy per micro-batch, which on CUDA waits for the work queued before it; made
+    once, each micro-batch slices it (a view).
+    """
+
+    __slots__ = ("_on_device", "indices")
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+        self._on_device: dict[torch.device, Tensor] = {}
+
+    def on(self, device: torch.device) -> Tensor:
+        index = self._on_device.get(device)
+        if index is None:
+            index = self._on_device[device] = torch.tensor(self.indices, dtype=torch.long, device=device)
+        return index
+
+
 class Pick:
-    """The samples one cut takes (a slice, or indices in order), and the trim of its sequence fields."""
+    """The samples one cut takes (a slice, or indices in order), and the trim of its sequence fields.
 
-    __slots__ = ("_on_device", "samples", "trim")
+    ``span`` says that the indices are ``order.indices[span]``, whose index tensor ``order`` already holds.
+    """
 
-    def __init__(self, samples: slice | list[int], trim: SequenceTrim | None) -> None:
+    __slots__ = ("_on_device", "samples", "span", "trim")
+
+    def __init__(
+        self, samples: slice | list[int], trim: SequenceTrim | None, span: tuple[RowOrder, slice] | None = None
+    ) -> None:
         self.samples = samples
         self.trim = trim
+        self.span = span
         self._on_device: dict[torch.device, Tensor] = {}  # the indices as a tensor, made once per device
 
     def of_rows(self, obj: Any) -> Any:
@@ -46,6 +73,9 @@ class Pick:
             return obj[samples]
         if not isinstance(obj, Tensor):
             return obj[samples]  # a NumPy array: fancy indexing
+        if self.span is not None:
+            order, positions = self.span
+            return obj.index_select(0, order.on(obj.device)[positions])
         index = self._on_device.get(obj.device)
         if index is None:
             index = self._on_device[obj.device] = torch.tensor(samples, dtype=torch.long, device=obj.device)

@@ -27,7 +27,7 @@ from lightning_accum.splitting._reading import (
     read_batch,
     walk,
 )
-from lightning_accum.splitting._walk import Pick, RebuildError, as_selection, take
+from lightning_accum.splitting._walk import Pick, RebuildError, RowOrder, as_selection, take
 
 _NOT_CUT = (
     "Cannot split a batch of type {name}: the built-in rules cut tensors, mappings, sequences, namedtuples and"
@@ -151,6 +151,19 @@ class BatchPlan:
                 " `SequenceTrim(sequence_dim=1, from_length=padded_length, to_length=longest_taken)`."
             )
         return self._take(Pick(as_selection(indices, self._size), trim))
+
+    def take_span(self, order: RowOrder, positions: range, *, trim: SequenceTrim | None = None) -> Any:
+        """`take` of the samples ``order.indices[positions]``, from an order that several cuts share.
+
+        The same micro-batch as ``take([order.indices[i] for i in positions], trim=trim)`` (views where those are
+        consecutive and ascending), with the index tensor that ``order`` makes once per device, sliced, where they
+        are not: no host-to-device copy per cut.
+        """
+        span = slice(positions.start, positions.stop)
+        samples = as_selection(order.indices[span], self._size)
+        if isinstance(samples, slice):  # consecutive and ascending: views, as `take` gives them
+            return self._take(Pick(samples, trim))
+        return self._take(Pick(samples, trim, (order, span)))
 
     def split(self, micro_batch_size: int) -> list[MicroBatch]:
         """Consecutive micro-batches of ``micro_batch_size`` samples (the last may be smaller): views, not copies.
