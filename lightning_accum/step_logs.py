@@ -153,7 +153,10 @@ class _Running:
 
 
 def _combine(stacked: Tensor, weight_list: list[float | Tensor], reduction: str) -> Tensor:
-    weights = torch.stack([torch.as_tensor(w).to(stacked.device, torch.float64).reshape(()) for w in weight_list])
+    if any(isinstance(w, Tensor) for w in weight_list):  # item counts on the device: no host read
+        weights = torch.stack([torch.as_tensor(w).to(stacked.device, torch.float64).reshape(()) for w in weight_list])
+    else:  # counts on the host (samples, by default): one copy to the device, not one per micro-batch
+        weights = torch.tensor([float(w) for w in weight_list], dtype=torch.float64, device=stacked.device)
     # A micro-batch without items contributes nothing: its mean over no items is 0/0 = NaN, and 0 * NaN is NaN too.
     contributes = (weights > 0) | ~stacked.isnan()
     if reduction in ("sum", "max", "min"):

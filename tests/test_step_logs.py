@@ -14,13 +14,13 @@ import torch
 from lightning_accum.step_logs import StepLogCombiner
 
 
-def combined(values_and_items: list[tuple[float, int]], reduce_fx: str) -> float:
+def combined(values_and_items: list[tuple[float, int]], reduce_fx: str, weights_as_tensors: bool = True) -> float:
     module = pl.LightningModule()
     logged: dict[str, float] = {}
     module.log = lambda name, value, **kw: logged.update({name: float(value)})
     combiner = StepLogCombiner(module)
     for value, items in values_and_items:
-        with combiner.capture(weight=torch.tensor(items)):
+        with combiner.capture(weight=torch.tensor(items) if weights_as_tensors else items):
             module.log("loss", torch.tensor(value), reduce_fx=reduce_fx)
     combiner.replay(batch_size=12)
     return logged["loss"]
@@ -33,6 +33,19 @@ def combined(values_and_items: list[tuple[float, int]], reduce_fx: str) -> float
 def test_a_micro_batch_without_items_is_left_out(reduce_fx: str, expected: float):
     # The middle micro-batch has no loss-bearing items: its mean over none is 0/0 = NaN.
     assert combined([(1.0, 3), (math.nan, 0), (4.0, 1)], reduce_fx) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum", "max", "min"])
+def test_counts_on_the_host_are_moved_to_the_values_device_once_not_once_per_micro_batch(monkeypatch, reduce_fx):
+    # Samples, the default count, are Python ints: each went to the values' device on its own (on CUDA a blocking
+    # copy per micro-batch and logged name); now the step's counts go in one.
+    steps = [(1.0, 3), (math.nan, 0), (4.0, 1), (2.5, 2)]
+    from_tensors = combined(steps, reduce_fx)
+    converted = []
+    real_as_tensor = torch.as_tensor
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **kw: converted.append(a) or real_as_tensor(*a, **kw))
+    assert combined(steps, reduce_fx, weights_as_tensors=False) == from_tensors
+    assert converted == []  # was one per micro-batch: 4
 
 
 def test_a_finite_value_without_items_still_counts_where_items_do_not_weight_it():
