@@ -292,8 +292,8 @@ class WindowNoiseMeter:
             return None
         if first is not None and first.window != window:
             first = None  # from an attempt that was abandoned (split mode retries a step after an OOM)
-        if first is None and sum_across_ranks is None:
-            return None
+        if sum_across_ranks is None and (first is None or micro_batches < 2):
+            return None  # alone, with no pair of batch sizes: nothing to measure (and no norm to read back)
         terms = _rank_terms(first, gradients, items, micro_batches, world_size)
         if sum_across_ranks is not None:
             terms = sum_across_ranks(torch.tensor(terms, dtype=torch.float64)).tolist()

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from lightning_accum import noise_scale
 from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter, unbiased_estimates
 
 
@@ -106,6 +107,22 @@ def test_the_meters_one_all_reduce_averages_the_ranks_own_estimates():
     pairs = [unbiased_estimates(float(g.square().sum()), n, big, 16.0) for g, n in firsts]
     assert estimate == pytest.approx(tuple(sum(p[i] for p in pairs) / 2 for i in range(2)), rel=1e-6)
     assert (meters[0].windows, meters[0].last_step) == (1, 0)
+
+
+def test_a_window_of_one_micro_batch_on_one_process_reads_nothing_back(monkeypatch):
+    # Split mode runs a window of one micro-batch whenever the step batch fits: no pair of batch sizes. The meter still
+    # took the window's squared norm and read it back to the host (waiting for the device), then measured nothing.
+    meter = WindowNoiseMeter()
+    meter.request()
+    norms = []
+    real = noise_scale._shared_squared_norm
+    monkeypatch.setattr(noise_scale, "_shared_squared_norm", lambda *a: norms.append(a) or real(*a))
+    last_step = meter.last_step
+    meter.capture(step=0, window=0, gradients=[torch.tensor([2.0])], items=4, divisor=4.0)
+    assert meter.measure(0, 0, [torch.tensor([2.0])], items=4.0, micro_batches=1) is None
+    assert (norms, meter.windows, meter.last_step) == ([], 0, last_step)
+    meter.capture(step=1, window=1, gradients=[torch.tensor([2.0])], items=1, divisor=1.0)  # a window of two
+    assert meter.measure(1, 1, [torch.tensor([1.0])], items=2.0, micro_batches=2) is not None and len(norms) == 1
 
 
 def test_the_measured_windows_and_their_weights_follow_the_step_count():
