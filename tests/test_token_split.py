@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -143,6 +144,16 @@ def test_a_sequence_longer_than_the_budget_gets_a_micro_batch_of_its_own():
 def test_left_padding_is_refused_with_a_clear_error(mask, match):
     with pytest.raises(ValueError, match=match):
         PaddedSequences(mask="attention_mask").lengths({"attention_mask": torch.tensor(mask)})
+
+
+def test_equal_settings_are_equal_and_two_functions_are_not():
+    # Equality went by the repr, where every lambda reads `<lambda>`: two different length functions were equal.
+    first, second = PaddedSequences(lengths=lambda b: b["n"]), PaddedSequences(lengths=lambda b: b["m"])
+    assert first != second and first == first
+    assert PaddedSequences(lengths="math:floor") == PaddedSequences(lengths=math.floor)  # a path, and what it names
+    assert PaddedSequences(mask="attention_mask") == PaddedSequences(mask="attention_mask", sequence_dim=1)
+    assert PaddedSequences(mask="attention_mask") != PaddedSequences(mask="attention_mask", sequence_dim=2)
+    assert len({PaddedSequences(), PaddedSequences(), first, second}) == 3
 
 
 def test_lengths_from_a_function_and_the_padded_length_from_the_batch():
