@@ -179,6 +179,7 @@ class FSDP2(DDPOverlap):
     def __init__(self, strategy: Any, world_size: int) -> None:
         super().__init__(strategy)
         self.syncs_in_last_backward = world_size > 1
+        self._modules: list[Any] | None = None  # the FSDP2 modules, found at the first micro-batch (sharded by then)
 
     def step(self) -> contextlib.AbstractContextManager[None]:
         # FSDP2 all-gathers in every forward and backward: a rank that failed in one would leave the others waiting
@@ -192,7 +193,10 @@ class FSDP2(DDPOverlap):
             yield
             return
         # Lightning's `block_backward_sync` only blocks models with a `no_sync`, which FSDP2 modules lack.
-        with self.strategy.block_backward_sync(), _compat.no_fsdp2_gradient_sync(self.strategy.model):
+        model = self.strategy.model
+        if self._modules is None:
+            self._modules = _compat.fsdp2_modules(model)
+        with self.strategy.block_backward_sync(), _compat.no_fsdp2_gradient_sync(model, self._modules):
             yield
 
     def check_last_micro_batch(self, step: int, rank: int, empty: bool, backward: bool) -> None:

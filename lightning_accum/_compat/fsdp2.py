@@ -125,14 +125,15 @@ def _is_fsdp2_hook(hook: Any) -> bool:
 
 
 @contextlib.contextmanager
-def no_fsdp2_gradient_sync(module: Any) -> Iterator[None]:
+def no_fsdp2_gradient_sync(module: Any, modules: list[Any] | None = None) -> Iterator[None]:
     """Hold back FSDP2's gradient reduce-scatter for the backward passes inside the block (FSDP1's ``no_sync``).
 
     Each FSDP2 module then accumulates its gradients unsharded, as large as its unsharded parameters, and the next
     backward outside the block reduce-scatters the sum once. The modules sync again when the block ends, also on
-    error. Does nothing when ``module`` holds no FSDP2 module.
+    error. Does nothing when ``module`` holds no FSDP2 module. ``modules``: ``fsdp2_modules(module)``, when the
+    caller found them once (a walk over every submodule, per micro-batch otherwise).
     """
-    with _gradient_sync_off(fsdp2_modules(module)):
+    with _gradient_sync_off(fsdp2_modules(module) if modules is None else modules):
         yield
 
 

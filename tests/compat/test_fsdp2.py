@@ -8,6 +8,7 @@ what ``fully_shard`` does to the module's class, hooks and ``__dict__``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -101,6 +102,26 @@ def test_the_param_groups_of_a_state_from_before_torch_2_12_are_read_too():
 # ---------------------------------------------------------------------------------------------------------------
 # the held-back gradient: `reduce_grads`, `_unsharded_param.grad`, `unsharded_accumulated_grad`
 # ---------------------------------------------------------------------------------------------------------------
+def test_split_modes_fsdp2_policy_finds_the_modules_once_not_at_every_micro_batch(sharded, monkeypatch):
+    from lightning_accum.split_sync import FSDP2
+
+    reference, model = sharded
+    expected = _reference_grads(reference)
+    walks = []
+    real = _compat.fsdp2_modules
+    for where in (_compat, fsdp2):  # the package's name and the module's own
+        monkeypatch.setattr(where, "fsdp2_modules", lambda m: walks.append(m) or real(m))
+    policy = FSDP2(SimpleNamespace(model=model, block_backward_sync=contextlib.nullcontext), world_size=2)
+    for _ in range(3):  # three micro-batches held back: each accumulates unsharded, none reduce-scatters
+        with policy.hold_back():
+            assert not any(g.reduce_grads for m in (model, model[0]) for g in m._get_fsdp_state()._fsdp_param_groups)
+            (model(X).sum() / 3).backward()
+    assert all(g.reduce_grads for m in (model, model[0]) for g in m._get_fsdp_state()._fsdp_param_groups)
+    assert walks == [model]  # was a walk over every submodule per micro-batch: 3
+    for p in _fsdp_params(model):
+        torch.testing.assert_close(p._unsharded_param.grad, expected[tuple(p._unsharded_param.shape)], **FP32)
+
+
 def test_a_held_back_gradient_lands_where_unsynced_gradients_reads_it(sharded):
     reference, model = sharded
     expected = _reference_grads(reference)
