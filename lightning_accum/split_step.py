@@ -280,9 +280,9 @@ class SplitStepRunner:
     def _forward(
         self, context: _compat.SplitStepContext, micro_batch: Any, index: int, n_items: Any
     ) -> tuple[Tensor, dict[str, Any]]:
-        trainer, injector = self.trainer, self.fault_injector
-        rank, step = trainer.global_rank, trainer.global_step
-        if injector is not None:
+        injector = self.fault_injector
+        if injector is not None:  # tests' faults; the Trainer's counters are read only for them
+            rank, step = self.trainer.global_rank, self.trainer.global_step
             injector.check(rank=rank, step=step, micro_batch=index, phase="forward", micro_batch_size=self.size)
         with self.logs.capture(n_items):
             loss, extra = context.training_step(micro_batch)
