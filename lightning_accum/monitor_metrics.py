@@ -158,7 +158,8 @@ class EveryStepMetrics:
     The figures a logging step would log, where they need no collective and no host read (the keys of
     `lightning_accum.monitoring.every_step_keys`): host numbers, and the window loss as a tensor on its device.
     ``callback_metrics`` keeps what is put there through training (the Trainer empties it before, at the start of a
-    run and around the sanity check), so the batch figures come back only when they change, which is rare.
+    run and around the sanity check), so the batch figures come back only when they change: rarely split by samples,
+    at most steps split by tokens (the step's micro-batches follow its lengths).
 
     Args:
         wanted: the keys to publish, from `lightning_accum.monitoring.every_step_keys`.

@@ -13,7 +13,8 @@ How sizes are chosen:
   then evens out the micro-batches: ``b = ceil(B / k) <= b_fit``. This never adds a pass and lowers the peak:
   ``B = 100`` with ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not
   required; a prime ``B`` would otherwise force ``b = 1``.
-* **Predict, don't probe.** Each step's peak is fed to a `lightning_accum.memory.model.LinearPeakModel`.
+* **Predict, don't probe.** Each step's peak is fed to a `lightning_accum.memory.model.LinearPeakModel` (split by
+  tokens, a `lightning_accum.memory.model.SequencePeakModel`, through the unit, `lightning_accum.planner_units`).
   Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
   measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
   less than proportionally. When a measurement is far off the model (a new phase of training: longer sequences),

@@ -35,8 +35,8 @@ class PlannerSettings:
         grow_patience: consecutive steps under the low watermark before growing.
         oom_cooldown: steps before a size that failed (an OOM, a peak over the budget, allocator retries), or any
             larger one, may be tried again.
-        predictive: predict sizes from the linear memory model ``peak(b) = fixed + per_sample * b`` fitted to the
-            measured peaks; ``False`` halves and doubles.
+        predictive: predict sizes from the memory model fitted to the measured peaks (``peak(b) = fixed + per_sample
+            * b``; by tokens, ``fixed + T (a + c L)``); ``False`` halves and doubles.
         refit_tolerance: a measured peak further than this fraction from the model's prediction starts a new model
             (a new phase of training, such as longer sequences).
 

@@ -72,7 +72,8 @@ class AutoMicroBatching(AccumulationOwner):
     * **OOM recovery.** An out-of-memory error in any forward or backward discards the attempt, shrinks ``b`` and
       re-runs the same step batch on every rank (one small all-reduce): no sample is lost or counted twice.
     * **Before memory runs out, and growing back.** A step whose peak passes the budget (or whose allocator retries
-      keep rising) makes the next use a smaller ``b``, predicted from a linear model of the measured peaks; ``b``
+      keep rising) makes the next use a smaller ``b``, predicted from a model of the measured peaks (linear in ``b``;
+      by tokens, ``fixed + T (a + c L)``); ``b``
       grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
       ``oom_cooldown`` steps (`lightning_accum.planner`; the settings: `lightning_accum.planner_settings`).
     * **DDP and FSDP2** (`lightning_accum.split_sync`). Under DDP the gradients are summed across ranks once,
@@ -83,7 +84,8 @@ class AutoMicroBatching(AccumulationOwner):
       with ``fully_shard``, data-parallel only) gathers the parameters once per step and reduce-scatters in the last
       backward, as ``"overlap"`` does. Ranks whose step batches differ run different numbers of micro-batches.
     * **By tokens** (``sequences=PaddedSequences(...)``): each step batch is ordered by sequence length and cut
-      into micro-batches of at most ``micro_batch_tokens`` padded tokens, each trimmed to its longest sequence
+      into micro-batches of at most ``micro_batch_tokens`` padded tokens (a sequence longer than that alone), cut
+      where the step computes the fewest padded tokens, each trimmed to its longest sequence
       (`lightning_accum.sequences`); the planner chooses the token budget as it chooses ``b``.
     * **Empty micro-batches.** A micro-batch whose ``count_items`` is 0 contributes nothing: its backward is skipped,
       so a mean over no items (``0 / 0 = NaN``) reaches neither the gradient nor the window loss nor ``self.log``.
@@ -102,8 +104,8 @@ class AutoMicroBatching(AccumulationOwner):
             split by padded tokens instead of samples. ``None`` splits by samples.
         micro_batch_tokens: with ``sequences``, the token budget as ``micro_batch_size`` is otherwise: ``"auto"``,
             or an int (padded tokens per micro-batch) to start from.
-        min_micro_batch_size: never split finer than this; an OOM at this size raises an error with the memory
-            figures.
+        min_micro_batch_size: never split finer than this many samples; an OOM at this size raises an error with the
+            memory figures. Split by tokens, the floor is the step's longest sequence alone.
         count_items: counts the items of a micro-batch (default: its samples).
         loss_reduction: whether ``training_step`` returns the ``"mean"`` or the ``"sum"`` over its items.
         pin_micro_batch_size: keep an int ``micro_batch_size`` fixed except to survive an OOM.
