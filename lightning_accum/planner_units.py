@@ -37,6 +37,9 @@ class Samples:
     noun = "micro-batch size"
     counts = "samples"
 
+    def set_longest(self, longest: int) -> None:
+        """The step's longest sequence, which a size in samples does not depend on: nothing to set."""
+
     def floor(self, settings: PlannerSettings) -> int:
         """The smallest size: an OOM there cannot be helped by shrinking."""
         return settings.min_micro_batch_size
@@ -77,13 +80,13 @@ class Tokens(Samples):
 
     def __init__(self) -> None:
         self.longest = 1
-        self._models: list[SequencePeakModel] = []
+        self._model: SequencePeakModel | None = None  # the planner holds one model at a time
 
     def set_longest(self, longest: int) -> None:
         """The step's longest sequence, in tokens (at least 1)."""
         self.longest = max(1, check_int(longest, "longest", 0))
-        for model in self._models:
-            model.length = self.longest
+        if self._model is not None:
+            self._model.length = self.longest
 
     def floor(self, settings: PlannerSettings) -> int:
         return self.longest
@@ -94,5 +97,5 @@ class Tokens(Samples):
     def new_model(self, max_sizes: int = 16) -> PeakModel:
         model = SequencePeakModel(max_sizes=max_sizes)
         model.length = self.longest
-        self._models = [model]  # the planner holds one model at a time
+        self._model = model
         return model

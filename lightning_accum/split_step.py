@@ -34,7 +34,6 @@ from lightning_accum.engine import AccumulationEngine
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.planner import MicroBatchPlanner
-from lightning_accum.planner_units import Tokens
 from lightning_accum.report import LossSum
 from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats
 from lightning_accum.split_sync import SyncPolicy
@@ -157,8 +156,7 @@ class SplitStepRunner:
                 " exited or crashed) while this one waited for it; that rank's traceback says why."
             ) from err
         figures = StepFigures(*map(int, agreed.tolist()))
-        if isinstance(self.planner.unit, Tokens):
-            self.planner.unit.set_longest(figures.longest)
+        self.planner.unit.set_longest(figures.longest)
         self.planner.set_step_batch_size(figures.step_size)
         return figures
 
@@ -229,8 +227,7 @@ class SplitStepRunner:
         different sizes, and planners told their own would shrink differently (4 -> 2 here, 3 -> 1 there).
         """
         self.planner.set_step_batch_size(agreed.step_batch_size)
-        if isinstance(self.planner.unit, Tokens):
-            self.planner.unit.set_longest(agreed.longest)
+        self.planner.unit.set_longest(agreed.longest)
         self.planner.on_oom(agreed.micro_batch_size, self.trainer.global_step)  # raises at the minimum, everywhere
         self.on_oom(agreed.micro_batch_size, detail)
         # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
@@ -321,7 +318,6 @@ class SplitStepRunner:
             self.step_batch_size = _step_batch_size(context, self.engine)
             self.cut = self.sequences.cut(context.batch, self.engine.hooks)
         self.step_size = self.cut.tokens
-        assert isinstance(self.planner.unit, Tokens)
         self.planner.unit.set_longest(self.cut.longest)
 
 

@@ -449,8 +449,7 @@ class PreflightStart:
         if self.sequences is None:
             return self.hooks, self.hooks.batch_size(self.batch)
         cut = self.sequences.cut(self.batch, self.hooks)
-        if isinstance(self.planner.unit, Tokens):
-            self.planner.unit.set_longest(cut.longest)
+        self.planner.unit.set_longest(cut.longest)
         return cut, cut.tokens
 
     def _predicted(self) -> tuple[int | None, str, Preflight | None]:
