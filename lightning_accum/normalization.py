@@ -315,15 +315,13 @@ class WindowNormalizer:
                 *map(float, extra),
             ]
         device = self._items.device if isinstance(self._items, Tensor) else torch.device("cpu")
-        local = torch.stack(
-            [
-                torch.as_tensor(self._items, dtype=torch.float64, device=device),
-                torch.as_tensor(float(self._samples), dtype=torch.float64, device=device),
-                torch.as_tensor(float(self._micro_batches), dtype=torch.float64, device=device),
-                self._bad_count_flag(device),
-                *(torch.tensor(float(value), dtype=torch.float64, device=device) for value in extra),
-            ]
-        )
+        # The host figures go to the device in one copy (on CUDA each copy waits for the queued work), the counts
+        # stay where they are.
+        host = [float(self._samples), float(self._micro_batches), *map(float, extra)]
+        on_host = torch.tensor(host, dtype=torch.float64).to(device)
+        items = torch.as_tensor(self._items, dtype=torch.float64, device=device).reshape(1)
+        flag = self._bad_count_flag(device).reshape(1)
+        local = torch.cat([items, on_host[:2], flag, on_host[2:]])  # items, samples, micro-batches, flag, extra
         totals = sum_across_ranks(local) if sum_across_ranks is not None else local
         # One host read per optimizer step (never per micro-batch): the count decides between scaling and skipping.
         return totals.tolist()
