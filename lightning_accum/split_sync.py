@@ -306,5 +306,5 @@ def overlap_wait_warning(
         f" and NCCL may leave the other ranks waiting in its all-reduce until the process group's timeout"
         f" ({timeout}). Bound the wait with e.g. `DDPStrategy(timeout=timedelta(minutes=5))` (or"
         f" `ModelParallelStrategy(timeout=...)`), above the slowest collective of your run, or use"
-        f" `gradient_sync='deferred'` under DDP, which retries an OOM anywhere in the step."
+        f" `gradient_sync='deferred'` under DDP, which retries an OOM in any forward or backward of the step."
     )

@@ -76,13 +76,14 @@ class AutoMicroBatching(AccumulationOwner):
       by tokens, ``fixed + T (a + c L)``); ``b``
       grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
       ``oom_cooldown`` steps (`lightning_accum.planner`; the settings: `lightning_accum.planner_settings`).
-    * **DDP and FSDP2** (`lightning_accum.split_sync`). Under DDP the gradients are summed across ranks once,
-      after every rank finished its micro-batches (``gradient_sync="deferred"``, the default): an OOM anywhere can
-      never leave a rank waiting in DDP's all-reduce. ``"overlap"`` lets DDP sync in the last micro-batch's backward,
-      after the ranks agreed on every forward: faster, but an OOM *inside that backward* cannot be retried (that rank
-      raises, and the others stop when it exits or at the process group's timeout). FSDP2 (``ModelParallelStrategy``
-      with ``fully_shard``, data-parallel only) gathers the parameters once per step and reduce-scatters in the last
-      backward, as ``"overlap"`` does. Ranks whose step batches differ run different numbers of micro-batches.
+    * **DDP and FSDP2** (`lightning_accum.split_sync`). Under DDP the gradients are summed across ranks once, after
+      every rank finished its micro-batches (``gradient_sync="deferred"``, the default): an OOM in any forward or
+      backward can never leave a rank waiting in DDP's all-reduce. ``"overlap"`` lets DDP sync in the last micro-batch's
+      backward, after the ranks agreed on every forward: faster, but an OOM *inside that backward* cannot be retried
+      (that rank raises, and the others stop when it exits or at the process group's timeout). FSDP2
+      (``ModelParallelStrategy`` with ``fully_shard``, data-parallel only) gathers the parameters once per step and
+      reduce-scatters in the last backward, as ``"overlap"`` does. Ranks whose step batches differ run different numbers
+      of micro-batches.
     * **By tokens** (``sequences=PaddedSequences(...)``): each step batch is ordered by sequence length and cut
       into micro-batches of at most ``micro_batch_tokens`` padded tokens (a sequence longer than that alone), cut
       where the step computes the fewest padded tokens, each trimmed to its longest sequence
