@@ -272,17 +272,21 @@ class SequencePeakModel:
         """``c``: memory per padded token and position of length (attention's ``T x L`` term), or ``None``."""
         return None if self._fit is None else self._fit[2]
 
-    def predict(self, tokens: int) -> float:
-        """Predicted peak of a micro-batch of ``tokens`` padded tokens at the current `length`.
+    def predict(self, tokens: int, length: int | None = None) -> float:
+        """Predicted peak of a micro-batch of ``tokens`` padded tokens of sequences ``length`` long.
+
+        ``length``: the current `length` by default.
 
         Raises:
             RuntimeError: if the model is not fitted yet.
         """
         fixed, a, c = self._require_fit()
-        return fixed + check_int(tokens, "tokens", 1) * (a + c * self.length)
+        return fixed + check_int(tokens, "tokens", 1) * (a + c * (self.length if length is None else length))
 
-    def largest_fitting(self, budget_bytes: float, upper: int) -> int | None:
-        """The largest token count in ``[1, upper]`` predicted to fit ``budget_bytes`` at the current `length`.
+    def largest_fitting(self, budget_bytes: float, upper: int, length: int | None = None) -> int | None:
+        """The largest token count in ``[1, upper]`` predicted to fit ``budget_bytes``, sequences ``length`` long.
+
+        ``length``: the current `length` by default.
 
         Raises:
             RuntimeError: if the model is not fitted yet.
@@ -290,7 +294,7 @@ class SequencePeakModel:
         budget = check_number(budget_bytes, "budget_bytes", 0, kind="number of bytes")
         upper = check_int(upper, "upper", 1)
         fixed, a, c = self._require_fit()
-        per_token = a + c * self.length
+        per_token = a + c * (self.length if length is None else length)
         if fixed + per_token > budget:
             return None
         if per_token == 0:

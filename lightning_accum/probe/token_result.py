@@ -192,13 +192,8 @@ class TokenProbeResult:
         usable = self.usable_bytes
         if usable is None or self.optimizer_peak_bytes > usable:
             return None
-        fixed, a, c = self.coefficients
-        per_token = a + c * length
-        upper = self.batch_size * length
-        tokens = upper if per_token <= 0 else min(upper, math.floor((usable - fixed) / per_token))
-        while tokens > 0 and self.passes_bytes(tokens, length) > usable:  # float rounding at the boundary
-            tokens -= 1
-        return tokens if tokens >= length else None
+        tokens = self.peak_model.largest_fitting(usable, self.batch_size * length, length=length)
+        return tokens if tokens is not None and tokens >= length else None
 
     @property
     def fitting_micro_batch_tokens(self) -> int | None:

@@ -231,7 +231,7 @@ def _fit(result: TokenProbeResult) -> TokenProbeResult:
         result.fit_shapes, result.holdout_shapes = fitted, held
         check = fit_sequence_model({shape: points[shape] for shape in fitted})
         truth = {shape: points[shape] for shape in held}
-        result.holdout_error = relative_error(lambda t, n: predict_at(check, t, n), truth)
+        result.holdout_error = relative_error(lambda t, n: check.predict(t, length=n), truth)
         fixed, per_token = _line([(t, points[(t, n)]) for t, n in fitted])
         result.tokens_only_holdout_error = relative_error(lambda t, n: fixed + per_token * t, truth)
     return result
@@ -244,15 +244,6 @@ def fit_sequence_model(points: Mapping[tuple[int, int], float]) -> SequencePeakM
         model.length = length
         model.observe(tokens, peak)
     return model
-
-
-def predict_at(model: SequencePeakModel, tokens: int, length: int) -> float:
-    """``model``'s peak for ``tokens`` padded tokens of sequences ``length`` long (its `length` is left as it was)."""
-    before, model.length = model.length, length
-    try:
-        return model.predict(tokens)
-    finally:
-        model.length = before
 
 
 def relative_error(predict: Callable[[int, int], float], truth: Mapping[tuple[int, int], float]) -> float:
