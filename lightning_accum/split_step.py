@@ -58,7 +58,7 @@ class Agreement(NamedTuple):
     used: list[bool] | None  # per parameter, whether any rank produced a gradient (`SyncPolicy.carries_used_flags`)
 
 
-class StepFigures(NamedTuple):
+class AgreedFigures(NamedTuple):
     """What a step measured and ran, the largest over ranks: what every rank's planner is told after the step."""
 
     peak: int  # bytes
@@ -139,7 +139,7 @@ class SplitStepRunner:
             self.logs.replay(batch_size=self.step_batch_size)
         return context.make_result(loss, extra)
 
-    def agreed_figures(self, alloc_retries: int) -> StepFigures:
+    def agreed_figures(self, alloc_retries: int) -> AgreedFigures:
         """After the step, on every rank: its figures, the largest over ranks (one small all-reduce).
 
         The planner is set to the agreed step batch and longest sequence, so that its next decision is every rank's.
@@ -155,7 +155,7 @@ class SplitStepRunner:
                 f" optimizer step) failed: {describe_error(err)}. Another rank most likely stopped (its process"
                 " exited or crashed) while this one waited for it; that rank's traceback says why."
             ) from err
-        figures = StepFigures(*map(int, agreed.tolist()))
+        figures = AgreedFigures(*map(int, agreed.tolist()))
         self.planner.unit.set_longest(figures.longest)
         self.planner.set_step_batch_size(figures.step_size)
         return figures
