@@ -46,10 +46,12 @@ class AccumulationOwner(HoldsEngine, Callback):
         self.events: list[AccumulationEvent] = []  # every event of the run (they are rare: OOMs, resizes, k changes)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
+        self.splits_by_tokens = False  # cuts micro-batches by padded tokens, reporting the budget and the padding
 
     @property
     def _hooks(self) -> BatchHooks:
         return self.engine.hooks
+
 
     # ----------------------------------------------------------------------------------------------------------
     # the trainer

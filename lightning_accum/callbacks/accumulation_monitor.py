@@ -19,7 +19,6 @@ from lightning_accum import _compat
 from lightning_accum._cli_types import Decay, PositiveInt
 from lightning_accum._validation import check_bool, check_int
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
-from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 from lightning_accum.engine import Ranks
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
 from lightning_accum.memory.backends import backend_for
@@ -168,7 +167,7 @@ class AccumulationMonitor(Callback):
             owner.measure_noise_scale(every=self.noise_scale_interval)
             noise_in_use = owner.noise_scale_in_use()  # where a schedule follows it, its average: it decides k
         has_owner, noise = owner is not None, self.gradient_noise_scale
-        tokens = isinstance(owner, AutoMicroBatching) and owner.sequences is not None  # the token keys are logged
+        tokens = owner is not None and owner.splits_by_tokens  # the token keys are logged
         wanted = every_step_keys(has_owner=has_owner, world_size=trainer.world_size, noise_scale=noise, tokens=tokens)
         self._warn_late_readers(trainer, wanted)
         self._windows = LightningWindows(trainer.global_step)

@@ -178,6 +178,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._split_batch, self._batch_size_of = split_batch, batch_size_of
         self.engine.resolve_hooks(None, split_batch=split_batch, batch_size_of=batch_size_of)  # checks them now
         self.sequences = check_sequences(sequences, micro_batch_size, micro_batch_tokens, split_batch)
+        self.splits_by_tokens = self.sequences is not None
         # The settings validate the sizes and thresholds; the budget is set once the device is known.
         settings = PlannerSettings(
             micro_batch_tokens if sequences is not None else micro_batch_size,
