@@ -23,7 +23,8 @@ from collections.abc import Sequence
 UNITS: tuple[tuple[str, int], ...] = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 """Binary units, largest first: sizes of memory are powers of two (an "80 GB" GPU reports 81,920 MiB)."""
 
-_FACTORS = dict(UNITS)
+FACTORS: dict[str, int] = dict(UNITS)
+"""Bytes per unit, by name: ``FACTORS["MiB"] == 2**20``."""
 
 
 def size_unit(nbytes: float) -> str:
@@ -41,11 +42,11 @@ def format_size(nbytes: float, unit: str | None = None, digits: int = 2) -> str:
         ValueError: if ``unit`` is not one of `UNITS`.
     """
     unit = size_unit(nbytes) if unit is None else unit
-    if unit not in _FACTORS:
-        raise ValueError(f"`unit` must be one of {', '.join(_FACTORS)}, got {unit!r}.")
+    if unit not in FACTORS:
+        raise ValueError(f"`unit` must be one of {', '.join(FACTORS)}, got {unit!r}.")
     if unit == "B":
         return f"{nbytes:.0f} B"
-    return f"{nbytes / _FACTORS[unit]:.{digits}f} {unit}"
+    return f"{nbytes / FACTORS[unit]:.{digits}f} {unit}"
 
 
 def format_sizes(*sizes: float, digits: int = 2, max_digits: int = 6) -> list[str]:

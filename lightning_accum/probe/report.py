@@ -7,13 +7,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lightning_accum.memory.sizes import UNITS, format_size, size_unit
+from lightning_accum.memory.sizes import FACTORS, UNITS, format_size, size_unit
 from lightning_accum.memory.tracker import CATEGORIES
 
 if TYPE_CHECKING:
     from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
-_FACTORS = dict(UNITS)
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52"}
 
 
@@ -334,12 +333,12 @@ def _plot_breakdown(ax: Any, result: ProbeResult, unit: str) -> None:
     x = range(len(ms))
     bottom = [0.0] * len(ms)
     for cat in CATEGORIES:
-        heights = [m.breakdown.get(cat, 0) / _FACTORS[unit] for m in ms]
+        heights = [m.breakdown.get(cat, 0) / FACTORS[unit] for m in ms]
         ax.bar(x, heights, bottom=bottom, color=_COLORS[cat], label=cat.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for i, m in enumerate(ms):
         if m.device_peak_bytes is not None:
-            ax.plot([i - 0.4, i + 0.4], [m.device_peak_bytes / _FACTORS[unit]] * 2, color="black", lw=1.5)
+            ax.plot([i - 0.4, i + 0.4], [m.device_peak_bytes / FACTORS[unit]] * 2, color="black", lw=1.5)
     ax.set_xticks(list(x), [f"b={m.micro_batch_size}\nk={m.accumulation_steps}" for m in ms], fontsize=8)
     ax.set_ylabel(f"peak live tensor memory ({unit})")
     ax.set_title(f"Peak by configuration (B={result.batch_size}, {result.device})")
@@ -347,7 +346,7 @@ def _plot_breakdown(ax: Any, result: ProbeResult, unit: str) -> None:
 
 
 def _plot_fit(ax: Any, result: ProbeResult, unit: str) -> None:
-    scale = _FACTORS[unit]
+    scale = FACTORS[unit]
     acc = [m for m in result.measurements if m.accumulation_steps > 1]
     one = [m for m in result.measurements if m.accumulation_steps == 1]
     held = set(result.holdout_sizes)

@@ -6,15 +6,13 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from lightning_accum.memory.sizes import UNITS, format_size, size_unit
+from lightning_accum.memory.sizes import FACTORS, format_size, size_unit
 from lightning_accum.probe import report
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from lightning_accum.probe.token_result import StepBatchCost, TokenProbeResult
-
-_FACTORS = dict(UNITS)
 
 
 def findings(result: TokenProbeResult) -> list[str]:
@@ -364,7 +362,7 @@ def plot(result: TokenProbeResult, path: str | Path) -> Path:
 
     plt = report.pyplot("TokenProbeResult.plot")
     unit = _unit(result)
-    scale = _FACTORS[unit]
+    scale = FACTORS[unit]
     fig, ax = plt.subplots(figsize=(8, 5))
     held = set(result.holdout_shapes)
     top = max(m.tokens for m in result.measurements)
@@ -378,7 +376,9 @@ def plot(result: TokenProbeResult, path: str | Path) -> Path:
         ax.plot([0, top], fitted, color=color, lw=1, label=f"L={length}: fit")
     ax.axhline(result.optimizer_peak_bytes / scale, color="grey", ls=":", label="optimizer step")
     _plot_budget(ax, result, scale)
-    error = "" if result.holdout_error is None else f", held-out error {result.holdout_error:.1%} (hollow: held out)"
+    error = (
+        "" if result.holdout_error is None else f", held-out error {percent(result.holdout_error)} (hollow: held out)"
+    )
     ax.set(xlabel="padded tokens per micro-batch T", ylabel=f"peak of the passes ({unit})", title=f"peak(T, L){error}")
     ax.legend(fontsize=8)
     fig.tight_layout()
