@@ -483,19 +483,22 @@ def _batch_text(series: Series) -> str:
         values = _values(series, keys.MICRO_BATCH_SIZE)
         low, high = _int(min(values)), _int(max(values))
         texts.append(f"the largest micro-batch {low if low == high else f'{low} to {high}'} samples")
-    elif len(micro) == 1:
-        texts.append(f"micro-batch {_int(micro[0][1])} samples throughout")
     elif micro:
-        values = _values(series, keys.MICRO_BATCH_SIZE)
-        (since, last) = micro[-1]
-        texts.append(
-            f"micro-batch {_int(min(values))} to {_int(max(values))} samples, settled at {_int(last)} from step"
-            f" {_int(since)}"
-        )
+        texts.append(_settled_text(series, keys.MICRO_BATCH_SIZE, "micro-batch", "samples"))
     k = _values(series, keys.ACCUMULATION_STEPS)
     if k:
         texts.append(f"k = {_int(k[-1])} at the end{_ranks(series)}")
     return "; ".join(texts) + "." if texts else ""
+
+
+def _settled_text(series: Series, key: str, what: str, unit: str) -> str:
+    """``what N unit throughout``, or ``what low to high unit, settled at N from step s``: a size over the run."""
+    changes = _changes(series.get(key, []))
+    if len(changes) == 1:
+        return f"{what} {_int(changes[0][1])} {unit} throughout"
+    values = _values(series, key)
+    since, last = changes[-1]
+    return f"{what} {_int(min(values))} to {_int(max(values))} {unit}, settled at {_int(last)} from step {_int(since)}"
 
 
 def _changes(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -512,15 +515,7 @@ def _tokens_text(series: Series) -> str:
     budgets = _changes(series.get(keys.MICRO_BATCH_TOKENS, []))
     if not budgets:
         return ""
-    if len(budgets) == 1:
-        text = f"Token budget {_int(budgets[0][1])} padded tokens per micro-batch throughout"
-    else:
-        values = _values(series, keys.MICRO_BATCH_TOKENS)
-        since, last = budgets[-1]
-        text = (
-            f"Token budget {_int(min(values))} to {_int(max(values))} padded tokens per micro-batch, settled at"
-            f" {_int(last)} from step {_int(since)}"
-        )
+    text = _settled_text(series, keys.MICRO_BATCH_TOKENS, "Token budget", "padded tokens per micro-batch")
     padding = _values(series, keys.PADDING_FRACTION)
     if padding:
         text += f"; padding {_median(padding):.1%} of the token positions computed (median of the logged steps)"
