@@ -46,6 +46,7 @@ from lightning_accum.splitting import (
     MicroBatch,
     RowOrder,
     SequenceTrim,
+    plan_batch,
     resolve_batch_hooks,
 )
 
@@ -285,8 +286,10 @@ class TokenCut:
         ``batch`` is the step batch, or a copy of it with the same structure (the pre-flight's fake one): the lengths
         are the step batch's.
         """
+        # The fake copy holds as many samples as the step batch: read at that size, as a user's `batch_size_of`
+        # hook read the step batch.
         plan = (
-            self.plan if self.plan is not None and batch is self.plan.batch else resolve_batch_hooks(None).plan(batch)
+            self.plan if self.plan is not None and batch is self.plan.batch else plan_batch(batch, batch_size=self.size)
         )
         order = RowOrder(self.order)  # one index tensor per device for the whole step, not one per micro-batch
         micro_batches = []
