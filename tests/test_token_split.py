@@ -185,6 +185,12 @@ def test_bad_sequences_arguments(kwargs, error, match):
         ({"micro_batch_tokens": 64}, r"`micro_batch_tokens=64` needs `sequences=`"),
         ({"sequences": PaddedSequences(), "micro_batch_size": 8}, r"`micro_batch_size=8` does not apply with"),
         ({"sequences": PaddedSequences(), "split_batch": len}, r"`split_batch` does not apply with `sequences=`"),
+        # It was taken and did nothing (the floor is the longest sequence), or refused naming `micro_batch_size`.
+        (
+            {"sequences": PaddedSequences(), "micro_batch_tokens": 32, "min_micro_batch_size": 64},
+            r"`min_micro_batch_size=64` does not apply with `sequences=`: .* longest sequence alone",
+        ),
+        ({"sequences": PaddedSequences(), "min_micro_batch_size": 2}, r"`min_micro_batch_size=2` does not apply"),
     ],
 )
 def test_token_arguments_that_do_not_go_together_are_refused(kwargs, match):

@@ -106,7 +106,7 @@ class AutoMicroBatching(AccumulationOwner):
         micro_batch_tokens: with ``sequences``, the token budget as ``micro_batch_size`` is otherwise: ``"auto"``,
             or an int (padded tokens per micro-batch) to start from.
         min_micro_batch_size: never split finer than this many samples; an OOM at this size raises an error with the
-            memory figures. Split by tokens, the floor is the step's longest sequence alone.
+            memory figures. Not with ``sequences``: the floor is then the step's longest sequence alone.
         count_items: counts the items of a micro-batch (default: its samples).
         loss_reduction: whether ``training_step`` returns the ``"mean"`` or the ``"sum"`` over its items.
         pin_micro_batch_size: keep an int ``micro_batch_size`` fixed except to survive an OOM.
@@ -174,10 +174,11 @@ class AutoMicroBatching(AccumulationOwner):
         self.fault_injector = fault_injector
         self.preflight = check_bool(preflight, "preflight")
         self.preflight_result: Preflight | None = None  # what the cold start's trace found (this rank's)
-        # Resolved against the LightningModule at setup: an argument wins over a method of the module.
-        self._split_batch, self._batch_size_of = split_batch, batch_size_of
+        self._split_batch, self._batch_size_of = split_batch, batch_size_of  # at setup, these win over module methods
         self.engine.resolve_hooks(None, split_batch=split_batch, batch_size_of=batch_size_of)  # checks them now
-        self.sequences = check_sequences(sequences, micro_batch_size, micro_batch_tokens, split_batch)
+        self.sequences = check_sequences(
+            sequences, micro_batch_size, micro_batch_tokens, split_batch, min_micro_batch_size
+        )
         self.splits_by_tokens = self.sequences is not None
         # The settings validate the sizes and thresholds; the budget is set once the device is known.
         settings = PlannerSettings(
@@ -193,8 +194,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._runner: SplitStepRunner | None = None  # one per fit, built at the start of training
         self._backend: MemoryBackend | None = None
         self._retries_at_start = 0
-        self._warned_unreachable = False
-        self._size_shrunk = False
+        self._warned_unreachable = self._size_shrunk = False
         self._capacity_bytes = 0
         self._closed: ClosedWindow | None = None
         self._cold = False  # the first step of a run that has not chosen a size yet
@@ -360,13 +360,18 @@ class AutoMicroBatching(AccumulationOwner):
 
 
 def check_sequences(
-    sequences: PaddedSequences | None, micro_batch_size: Any, micro_batch_tokens: Any, split_batch: Any
+    sequences: PaddedSequences | None,
+    micro_batch_size: Any,
+    micro_batch_tokens: Any,
+    split_batch: Any,
+    min_micro_batch_size: Any = PlannerSettings.min_micro_batch_size,
 ) -> PaddedSequences | None:
     """``sequences``, checked against the arguments that go with it (split mode by tokens, or by samples).
 
     Raises:
         TypeError: ``sequences`` is not a `PaddedSequences`.
-        ValueError: ``micro_batch_tokens`` without ``sequences``, or ``micro_batch_size`` or ``split_batch`` with it.
+        ValueError: ``micro_batch_tokens`` without ``sequences``, or ``micro_batch_size``, ``split_batch`` or a
+            ``min_micro_batch_size`` with it.
     """
     if sequences is None:
         if micro_batch_tokens != "auto":
@@ -390,6 +395,12 @@ def check_sequences(
         raise ValueError(
             "`split_batch` does not apply with `sequences=`: the step batch is cut by tokens (sorted by length,"
             " trimmed). Remove one of them."
+        )
+    if min_micro_batch_size != PlannerSettings.min_micro_batch_size:
+        raise ValueError(
+            f"`min_micro_batch_size={min_micro_batch_size!r}` does not apply with `sequences=`: split by tokens, the"
+            " smallest micro-batch is the step's longest sequence alone (the token budget cannot go below it)."
+            " Remove `min_micro_batch_size`."
         )
     return sequences
 
