@@ -89,7 +89,7 @@ def test_checkpoint_loads_a_saved_model_and_refuses_what_is_not_one(tmp_path: Pa
     built.model.save_pretrained(tmp_path / "saved")
     loaded = HFCausalLM(vocab_size=64, n_positions=32, checkpoint=str(tmp_path / "saved"))
     for (name, param), (_, again) in zip(built.named_parameters(), loaded.named_parameters(), strict=True):
-        torch.testing.assert_close(again, param, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(again, param, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     with pytest.raises(ValueError, match=r"`checkpoint` must be a local directory .* got 'gpt2'"):
         HFCausalLM(checkpoint="gpt2")
     with pytest.raises(ValueError, match=r"vocabulary holds 64 ids, but the data's `vocab_size` is 256"):
@@ -159,7 +159,9 @@ def test_one_step_of_the_example_is_one_full_batch_token_mean_step(
     loss = reference(**batch).loss
     loss.backward()
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(recorder.grads[0][f"model.{name}"], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            recorder.grads[0][f"model.{name}"], param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
     exact = {name: param.grad.clone() for name, param in reference.named_parameters()}
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # the YAML's gradient_clip_val
     optimizer = torch.optim.AdamW(reference.parameters(), lr=module.lr, weight_decay=module.weight_decay)
@@ -168,7 +170,9 @@ def test_one_step_of_the_example_is_one_full_batch_token_mean_step(
     # attention's key bias, which softmax ignores, has |g| ~ 1e-14), the direction is noise too, so those are left out.
     for (name, param), (_, expected) in zip(module.model.named_parameters(), reference.named_parameters(), strict=True):
         informative = exact[name].abs() > 1e-6
-        torch.testing.assert_close(param[informative], expected[informative], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            param[informative], expected[informative], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
         assert not torch.equal(param, initial.get_parameter(name)), f"{name} did not move"
 
     # What the exactness is for: the mean of the micro-batches' means is another gradient.
@@ -255,6 +259,6 @@ def test_the_yaml_run_on_two_ranks_logs_to_csv_and_wandb_and_keeps_the_ranks_equ
     (checkpoint,) = logs.glob("csv/version_*/checkpoints/*.ckpt")
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     for name, param in end[0].items():
-        torch.testing.assert_close(end[1][name], param, rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(saved[name], param, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(end[1][name], param, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(saved[name], param, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert any(not torch.equal(start[name], end[0][name]) for name in start), "training did not move the parameters"
