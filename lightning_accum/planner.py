@@ -572,8 +572,8 @@ def _at_floor(size: int, peak: float, budget: float, unit: Samples) -> str:
     peak_text, budget_text = format_sizes(peak, budget)
     return (
         f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
-        f" {unit.noun} ({size} {unit.counts}): most of the memory does not depend on the micro-batch, so shrinking"
-        f" cannot meet the budget. The planner keeps {unit.noun} {size} (an out-of-memory error still shrinks it)."
+        f" {unit.noun} ({size}): most of the memory does not depend on the micro-batch, so shrinking cannot meet"
+        f" the budget. The planner keeps {unit.noun} {size} {unit.counts} (an out-of-memory error still shrinks it)."
         + _FIX
     )
 

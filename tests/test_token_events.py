@@ -92,7 +92,7 @@ def test_over_the_budget_at_the_smallest_token_budget_holds_it_and_says_so_once(
         callback, _trainer = fit(
             tmp_path, monkeypatch, lengths, step_batch=4, steps=3, micro_batch_tokens=48, max_memory=budget
         )
-    said = [w for w in caught if "even at the smallest token budget (48" in str(w.message)]
+    said = [w for w in caught if "even at the smallest token budget (48)" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
     assert not [e for e in callback.events if e.kind == "shrink"], callback.events
     assert callback.planner.micro_batch_size == 48  # the budget stayed at the floor it was announced at
