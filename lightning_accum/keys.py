@@ -28,12 +28,13 @@ PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that he
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
 )
-TRAIN_SECONDS = "perf/train_seconds"  # wall-clock training time since the start of fit, validation excluded
+TRAIN_SECONDS = "perf/train_seconds"  # wall-clock training time of the run (carried by a checkpoint), no validation
 
 SAMPLES_PER_SEC = "perf/samples_per_sec"
 ITEMS_PER_SEC = "perf/items_per_sec"
 
-# Events: logged as metrics at the step they happen (the value is the size after the change).
+# Events: logged as metrics at the step they happen (the value is the size after the change: samples, or split by
+# tokens the token budget); in callback_metrics at that step only, and after fit the fit's count of them.
 EVENT_SCHEDULE_CHANGE = "events/accumulation_steps_changed"
 EVENT_OOM_RECOVERED = "events/oom_recovered"
 EVENT_SHRINK = "events/micro_batch_shrunk"

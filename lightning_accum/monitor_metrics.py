@@ -356,7 +356,9 @@ class AccumulationMetrics:
         self.fit = FitSummary()
         self.every_step = EveryStepMetrics(key_prefix=key_prefix)
         self.memory_bar: dict[str, str] = {}  # the progress bar's memory figure, from the last logging step
+        self.run_seconds = 0.0  # the run's training time when the last fit ended, or in the checkpoint loaded
         self._last_report: StepReport | None = None
+        self._running = False
 
     def setup(self, device: torch.device) -> None:
         """Read memory (and keep the loss) on ``device``; its capacity is read once, here."""
@@ -370,6 +372,7 @@ class AccumulationMetrics:
         has_owner: bool,
         noise_in_use: NoiseScaleEstimator | None = None,
         last_report: StepReport | None = None,
+        first_step: int = 0,
     ) -> None:
         """Start a ``fit``: the new interval, the memory peak and the clock.
 
@@ -378,6 +381,8 @@ class AccumulationMetrics:
             has_owner: a callback owns accumulation (its reports are global; otherwise they are this rank's).
             noise_in_use: the noise-scale average a schedule follows, logged instead of ``noise_scale``.
             last_report: the owner's report from before this ``fit`` (a second ``fit``), not counted again.
+            first_step: the run's step the ``fit`` starts at (``trainer.global_step``): after 0, the run goes on, and
+                so do its training time (`run_seconds`) and the summary's steps.
         """
         self.has_owner, self.noise_in_use, self._last_report = has_owner, noise_in_use, last_report
         self.every_step = EveryStepMetrics(every_step, self.key_prefix)  # the Trainer has just emptied them
@@ -385,19 +390,31 @@ class AccumulationMetrics:
         self.loss.reset()
         if self.memory is not None:
             self.memory.backend.reset_peak()
-        self.clock.start()
-        self.fit = FitSummary()
+        self.clock.start(carried=self.run_seconds if first_step > 0 else 0.0)
+        self._running = True
+        self.fit = FitSummary(first_step)
 
-    def add(self, report: StepReport, noise_windows: int = 0) -> bool:
+    def stop(self) -> None:
+        """The ``fit`` ended: its training time is the run's, until the next ``fit`` goes on from it."""
+        self.clock.stop()
+        if self._running:
+            self.run_seconds, self._running = self.clock.train_seconds(), False
+
+    def train_seconds(self) -> float:
+        """The run's training time so far (``perf/train_seconds``): what a checkpoint carries to a resumed run."""
+        return self.clock.train_seconds() if self._running else self.run_seconds
+
+    def add(self, report: StepReport, noise_windows: int = 0, step: int | None = None) -> bool:
         """Count an optimizer step's report, unless it is the one counted last (then ``False``).
 
-        ``noise_windows`` says how many windows the report's noise measurement stands for.
+        ``noise_windows`` says how many windows the report's noise measurement stands for; ``step`` is the
+        optimizer step on the run's axis (the logging step), for the summary.
         """
         if report is self._last_report:
             return False
         self._last_report = report
         self.interval.add(report)
-        self.fit.add(report)
+        self.fit.add(report, step)
         if report.noise is not None and self.noise_in_use is None and self.has_owner:
             # A measurement stands for the windows since the last one (an interval, or windows too short to measure),
             # counted by the owner from the optimizer steps, so a resumed run weighs them as an uninterrupted one.
@@ -452,7 +469,7 @@ class AccumulationMetrics:
     def finish(self, ranks: Ranks) -> FitSummary:
         """The summary of the ``fit``, global; every rank calls it (it holds collectives)."""
         summary = self.fit
-        summary.seconds = self.clock.train_seconds()
+        summary.seconds = self.clock.fit_seconds()  # this fit's: its samples per second
         if self.interval.steps > 0:  # steps after the last logging step (the whole fit, if it was shorter)
             assert self.memory is not None, "set by the callback before the first step"
             # Every rank gets here with the same count (ranks step together): the maximum over ranks is safe.

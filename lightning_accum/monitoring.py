@@ -436,7 +436,8 @@ class FitSummary:
     padding is the mean over steps of each step's share of positions computed that held no real token.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, first_step: int = 0) -> None:
+        self.first_step = first_step  # the run's step this fit started at (a resumed fit goes on counting)
         self.steps = 0
         self.effective_batch_sizes: set[int] = set()
         self.micro_batch_range: tuple[int, int] | None = None
@@ -477,14 +478,15 @@ class FitSummary:
         self.add_peak(fraction, "budget" if budget_bytes is not None else "capacity")
         return fraction
 
-    def add(self, report: StepReport) -> None:
-        """Count one optimizer step."""
+    def add(self, report: StepReport, step: int | None = None) -> None:
+        """Count one optimizer step: ``step`` on the run's axis (by default, the next one after `first_step`)."""
+        step = self.first_step + self.steps if step is None else step
         self.micro_batch_range, self.settled = _track(
-            self.micro_batch_range, self.settled, report.micro_batch_size, self.steps
+            self.micro_batch_range, self.settled, report.micro_batch_size, step
         )
         if report.micro_batch_tokens is not None:
             self.token_range, self.token_settled = _track(
-                self.token_range, self.token_settled, report.micro_batch_tokens, self.steps
+                self.token_range, self.token_settled, report.micro_batch_tokens, step
             )
             if report.padding_fraction is not None:
                 self.padding.append(report.padding_fraction)
@@ -526,7 +528,8 @@ class FitSummary:
         """One line a person reads at the end of ``fit``."""
         sizes = sorted(self.effective_batch_sizes)
         batch = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}" if sizes else "?"
-        parts = [f"lightning_accum: {self.steps} optimizer steps, effective batch {batch} samples"]
+        resumed = f" (from step {self.first_step})" if self.first_step > 0 else ""
+        parts = [f"lightning_accum: {self.steps} optimizer steps{resumed}, effective batch {batch} samples"]
         if self.token_range is not None and self.token_settled is not None:
             parts.extend(self._token_text())
         elif self.micro_batch_range is not None and self.settled is not None:
@@ -582,14 +585,27 @@ class TrainingClock:
     """
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
+        self._clock = now
         self._paused_at: float | None = None
+        self._stopped_at: float | None = None
+        self.carried = 0.0
         self.start()
 
-    def start(self) -> None:
-        """Start counting a new ``fit``."""
+    def _now(self) -> float:
+        return self._clock() if self._stopped_at is None else self._stopped_at
+
+    def start(self, carried: float = 0.0) -> None:
+        """Start counting a new ``fit``; ``carried`` is the training time of the run before it (a resumed run's)."""
+        self._stopped_at = None
+        self._paused_at = None
+        self.carried = carried
         self._fit_start = self._interval_start = self._now()
         self._interval_paused = self._fit_paused = 0.0
+
+    def stop(self) -> None:
+        """The ``fit`` ended: the clock reads the time it ended at from now on."""
+        if self._stopped_at is None:
+            self._stopped_at = self._clock()
 
     def new_interval(self) -> None:
         """Start counting a new logging interval."""
@@ -612,9 +628,15 @@ class TrainingClock:
         """Training seconds since the last logging step (or the start)."""
         return self._now() - self._interval_start - self._interval_paused
 
+    def fit_seconds(self) -> float:
+        """Training seconds since the start of ``fit`` (a validation under way left out too)."""
+        now = self._now()
+        pausing = 0.0 if self._paused_at is None else now - self._paused_at
+        return now - self._fit_start - self._fit_paused - pausing
+
     def train_seconds(self) -> float:
-        """Training seconds since the start of ``fit``."""
-        return self._now() - self._fit_start - self._fit_paused
+        """Training seconds of the run: `carried` from before this ``fit``, and `fit_seconds`."""
+        return self.carried + self.fit_seconds()
 
 
 @dataclass(frozen=True)

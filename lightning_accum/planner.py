@@ -34,7 +34,10 @@ How sizes are chosen:
   over the budget, the memory that does not depend on ``b`` is over it by itself (on CPU, resident memory that a
   smaller micro-batch does not give back): the planner keeps the size and says so once (`budget_unreachable`)
   instead of shrinking to the minimum for nothing. An OOM still shrinks; a peak under the budget, a grow or a new
-  phase of the model ends the hold, and a fall of the fixed memory (memory freed) lets the shrinking go on.
+  phase of the model ends the hold, and a fall of the fixed memory (memory freed) lets the shrinking go on. At the
+  smallest size itself (split by tokens: the step's longest sequence, which moves from step to step) the planner
+  says so once and holds that size until a peak under the budget, a grow or an OOM: a later step with shorter
+  sequences does not shrink it below the floor just announced.
 
 The settings (``grow_patience``, ``oom_cooldown``, ...) and their defaults are `PlannerSettings`
 (`lightning_accum.planner_settings`).
@@ -65,6 +68,7 @@ class PlannerEvent(NamedTuple):
     before: int
     after: int
     reason: str
+    unit: Literal["samples", "tokens"] = "samples"  # what ``before`` and ``after`` count (the planner's unit)
 
 
 class MicroBatchOOMError(RuntimeError):
@@ -135,6 +139,10 @@ class _History:
     last_size: int | None = None
     # (size, peak) where the current run of over-budget shrinks began: what the shrinks saved since is measured.
     shrink_start: tuple[int, float] | None = None
+    # The size at which the planner said that even the smallest size is over the budget. Split by tokens the smallest
+    # (the step's longest sequence) moves from step to step; the hold keeps the planner from shrinking, at the next
+    # shorter step, below the floor it has just announced.
+    held_at_floor: int | None = None
 
     def cool_down(self, size: int, until: int) -> None:
         self.failed[size] = max(self.failed.get(size, 0), until)
@@ -152,11 +160,15 @@ class _History:
             "last_peak": self.last_peak,
             "last_size": self.last_size,
             "shrink_start": None if self.shrink_start is None else list(self.shrink_start),
+            "held_at_floor": self.held_at_floor,
         }
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> _History:
-        """Missing keys keep their defaults, so older checkpoints still load (``shrink_start`` came with issue 19)."""
+        """Missing keys keep their defaults, so older checkpoints still load (issue 19 added ``shrink_start``).
+
+        ``held_at_floor`` came with issue 25.
+        """
         shrink_start = state.get("shrink_start")
         return cls(
             under=int(state.get("under", 0)),
@@ -165,6 +177,7 @@ class _History:
             last_peak=_optional(float, state.get("last_peak")),
             last_size=_optional(int, state.get("last_size")),
             shrink_start=None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1])),
+            held_at_floor=_optional(int, state.get("held_at_floor")),
         )
 
 
@@ -336,7 +349,12 @@ class MicroBatchPlanner:
 
         self.budget_unreachable = None
         if budget is not None and peak > budget:
-            self.budget_unreachable = _out_of_reach(size, peak, budget, self.unit, settings, history.shrink_start)
+            if history.held_at_floor is not None:  # said already: no size is small enough, so none is tried
+                self.budget_unreachable = _at_floor(history.held_at_floor, peak, budget, self.unit)
+            else:
+                self.budget_unreachable = _out_of_reach(size, peak, budget, self.unit, settings, history.shrink_start)
+                if self.budget_unreachable is not None and size <= self.unit.floor(settings):
+                    history.held_at_floor = size
             if can_shrink and self.budget_unreachable is None:
                 if history.shrink_start is None:
                     history.shrink_start = (size, peak)
@@ -345,6 +363,7 @@ class MicroBatchPlanner:
                 return self._change("shrink", size, target, step, reason)
         elif budget is not None:
             history.shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
+            history.held_at_floor = None
         if history.retry_streak >= 2 and can_shrink:
             if settings.predictive and budget is not None and self.model.fitted():
                 # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
@@ -428,6 +447,7 @@ class MicroBatchPlanner:
 
     def _change(self, kind: PlannerEventKind, size: int, target: int, step: int, reason: str) -> int:
         before = self._current(size) if kind == "grow" else size
+        self._history.held_at_floor = None  # a grow or an OOM: the memory is not what the hold was decided on
         if kind == "grow":
             self._limit = target
             self._history.shrink_start = None
@@ -439,7 +459,7 @@ class MicroBatchPlanner:
             self._history.under = self._history.retry_streak = 0
         after = self._current(target)
         if after != before or kind != "grow":
-            self.events.append(PlannerEvent(step, kind, size, after, reason))
+            self.events.append(PlannerEvent(step, kind, size, after, reason, self.unit.counts))
         return after
 
     # ---- checkpointing ------------------------------------------------------------------------------------------
@@ -522,15 +542,9 @@ def _out_of_reach(
 
     ``shrink_start`` is the (size, peak) where the current run of over-budget shrinks began.
     """
-    fix = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
     smallest_size = unit.floor(settings)
     if size <= smallest_size:
-        peak_text, budget_text = format_sizes(peak, budget)
-        return (
-            f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
-            f" {unit.noun} ({size}): most of the memory does not depend on the micro-batch, so shrinking"
-            " cannot meet the budget." + fix
-        )
+        return _at_floor(size, peak, budget, unit)
     if settings.pin_micro_batch_size or shrink_start is None:
         return None
     start, start_peak = shrink_start
@@ -546,7 +560,21 @@ def _out_of_reach(
         f" not bring it down: from {start} to {size} {unit.counts} the peak went from {texts[2]} to {texts[0]}. At"
         f" that rate even the smallest {unit.noun} ({smallest_size}) would peak at {texts[3]}:"
         " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
-        f" {unit.noun} {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + fix
+        f" {unit.noun} {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + _FIX
+    )
+
+
+_FIX = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
+
+
+def _at_floor(size: int, peak: float, budget: float, unit: Samples) -> str:
+    """Why shrinking cannot meet the budget at the smallest size, ``size`` (the planner then holds it)."""
+    peak_text, budget_text = format_sizes(peak, budget)
+    return (
+        f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
+        f" {unit.noun} ({size}): most of the memory does not depend on the micro-batch, so shrinking cannot meet"
+        f" the budget. The planner keeps {unit.noun} {size} {unit.counts} (an out-of-memory error still shrinks it)."
+        + _FIX
     )
 
 

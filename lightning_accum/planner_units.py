@@ -18,6 +18,7 @@ unit               the size                             the smallest size
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from lightning_accum._validation import check_int
 from lightning_accum.memory.model import LinearPeakModel, SequencePeakModel
@@ -35,7 +36,7 @@ class Samples:
     """
 
     noun = "micro-batch size"
-    counts = "samples"
+    counts: Literal["samples", "tokens"] = "samples"
 
     def set_longest(self, longest: int) -> None:
         """The step's longest sequence, which a size in samples does not depend on: nothing to set."""
@@ -76,7 +77,7 @@ class Tokens(Samples):
     """
 
     noun = "token budget"
-    counts = "tokens"
+    counts: Literal["samples", "tokens"] = "tokens"
 
     def __init__(self) -> None:
         self.longest = 1

@@ -15,29 +15,55 @@ import torch
 from torch import Tensor
 
 EventKind = Literal["schedule_change", "oom_recovered", "shrink", "grow"]
+EventUnit = Literal["samples", "tokens", "micro-batches"]
 Mode = Literal["window", "split", "lightning"]
+
+_WHAT: dict[tuple[EventKind, EventUnit], str] = {
+    ("oom_recovered", "samples"): "micro-batch size after an OOM",
+    ("shrink", "samples"): "micro-batch size (memory pressure)",
+    ("grow", "samples"): "micro-batch size (memory freed)",
+    ("oom_recovered", "tokens"): "token budget after an OOM",
+    ("shrink", "tokens"): "token budget (memory pressure)",
+    ("grow", "tokens"): "token budget (memory freed)",
+}
 
 
 @dataclass(frozen=True)
 class AccumulationEvent:
-    """Something that changed the shape of the work, for logs and dashboards."""
+    """Something that changed the shape of the work, for logs and dashboards.
+
+    ``before`` and ``after`` count ``unit``: samples per micro-batch, the token budget (padded tokens per micro-batch,
+    split by tokens), or micro-batches per step (a schedule's change of ``k``). The default follows ``kind``.
+    """
 
     kind: EventKind
     step: int
     before: int
     after: int
     reason: str = ""
+    unit: EventUnit | None = None
+
+    @property
+    def counts(self) -> EventUnit:
+        """What ``before`` and ``after`` count: ``unit``, or by default what ``kind`` moves."""
+        if self.kind == "schedule_change":
+            return "micro-batches"
+        return "samples" if self.unit is None or self.unit == "micro-batches" else self.unit
 
     def message(self) -> str:
-        """The log line, e.g. ``lightning_accum: micro-batch size after an OOM 8 -> 4 at step 3``."""
-        what = {
-            "schedule_change": "accumulation steps",
-            "oom_recovered": "micro-batch size after an OOM",
-            "shrink": "micro-batch size (memory pressure)",
-            "grow": "micro-batch size (memory freed)",
-        }[self.kind]
+        """The log line, naming what the sizes count.
+
+        Examples:
+            >>> print(AccumulationEvent("oom_recovered", 3, 8, 4).message())
+            lightning_accum: micro-batch size after an OOM 8 -> 4 samples at step 3
+            >>> print(AccumulationEvent("grow", 20, 8416, 12096, unit="tokens").message())
+            lightning_accum: token budget (memory freed) 8416 -> 12096 tokens at step 20
+        """
         tail = f" ({self.reason})" if self.reason else ""
-        return f"lightning_accum: {what} {self.before} -> {self.after} at step {self.step}{tail}"
+        if self.kind == "schedule_change":  # the name says the unit: "accumulation steps 4 -> 3"
+            return f"lightning_accum: accumulation steps {self.before} -> {self.after} at step {self.step}{tail}"
+        what = _WHAT[self.kind, self.counts]
+        return f"lightning_accum: {what} {self.before} -> {self.after} {self.counts} at step {self.step}{tail}"
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def test_events_turn_into_accumulation_events():
     converted = [AccumulationEvent(kind=e.kind, step=e.step, before=e.before, after=e.after, reason=e.reason)
                  for e in events]  # fmt: skip
     assert converted[0].message() == (
-        "lightning_accum: micro-batch size after an OOM 64 -> 32 at step 2 (OOM at 64: halved)"
+        "lightning_accum: micro-batch size after an OOM 64 -> 32 samples at step 2 (OOM at 64: halved)"
     )
 
 

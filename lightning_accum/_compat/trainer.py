@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -60,8 +60,13 @@ def override_estimated_stepping_batches(trainer: pl.Trainer, estimate: Callable[
     return undo
 
 
-def set_callback_metrics(trainer: pl.Trainer, metrics: Mapping[str, float | torch.Tensor]) -> None:
+def set_callback_metrics(
+    trainer: pl.Trainer, metrics: Mapping[str, float | torch.Tensor], drop: Iterable[str] = ()
+) -> None:
     """Make ``metrics`` part of ``trainer.callback_metrics``, where ModelCheckpoint and EarlyStopping look.
+
+    The keys in ``drop`` (and not in ``metrics``) are taken out: a value that holds at one step only must not be read
+    at the next.
 
     ``self.log(..., logger=False)`` does the same but costs about 2 ms per key from a callback hook (each key is a
     ``_ResultMetric`` update); the property returns the connector's own dict
@@ -74,6 +79,9 @@ def set_callback_metrics(trainer: pl.Trainer, metrics: Mapping[str, float | torc
             for key, value in metrics.items()
         }
     )
+    for key in drop:
+        if key not in metrics:
+            trainer.callback_metrics.pop(key, None)
 
 
 def checkpoint_step_schedule(checkpoint: Any) -> tuple[int, bool]:

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum import _compat
+from lightning_accum import _compat, keys
 from lightning_accum._cli_types import Decay, PositiveInt
 from lightning_accum._validation import check_bool, check_int
 from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
@@ -72,8 +72,8 @@ class AccumulationMonitor(Callback):
         ``memory/peak_reserved_gib``        GiB          every logging step, CUDA only
         ``perf/samples_per_sec``            samples/s    every logging step, over the interval, all ranks
         ``perf/items_per_sec``              items/s      every logging step, over the interval, all ranks
-        ``perf/train_seconds``              s            every logging step: since the start of fit,
-                                                         validation excluded
+        ``perf/train_seconds``              s            every logging step: the run's training time,
+                                                         validation excluded (carried by a checkpoint)
         ``memory/alloc_retries``            count        every logging step, CUDA/XPU only, cumulative
         ``memory/rank{r}/peak_gib``         GiB          with ``per_rank_memory=True``: each rank's peak
         ``accum/gradient_noise_scale``      items        with ``gradient_noise_scale=True`` (also
@@ -85,6 +85,8 @@ class AccumulationMonitor(Callback):
                                                          step's positions computed that held no real
                                                          token, all ranks
         ``events/*``                        size after   at the logging step that follows the event
+                                                         (samples; split by tokens, the token budget);
+                                                         after fit, in ``callback_metrics``: the count
         ==================================  ===========  ==================================================
 
     Args:
@@ -175,14 +177,27 @@ class AccumulationMonitor(Callback):
         # which runs before ours because the owner moves itself to the front of the callbacks.
         self._setup_wandb(trainer, tokens=tokens)
         last = owner.last_step_report if owner is not None else None
-        self._metrics.start(wanted, has_owner=has_owner, noise_in_use=noise_in_use, last_report=last)
+        self._metrics.start(
+            wanted, has_owner=has_owner, noise_in_use=noise_in_use, last_report=last, first_step=trainer.global_step
+        )
+
+    @property
+    def _event_keys(self) -> tuple[str, ...]:
+        return tuple(self.key_prefix + key for key in keys.EVENT_KEYS)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._metrics.stop()
         if self._metrics.fit.steps == 0:
             return
+        # After `fit`, each event key holds how many such events the fit had, in `callback_metrics` as in the W&B
+        # run summary (during it, the size after the event, at the logging step of the event only).
+        counts = self._metrics.fit.event_counts
+        _compat.set_callback_metrics(
+            trainer, {self.key_prefix + key: float(counts.get(key, 0)) for key in keys.EVENT_KEYS}
+        )
         for run in self._wandb_runs(trainer):  # each event key's run summary: how many such events the run had
-            record_event_counts(run, self._metrics.fit.event_counts, self.key_prefix)
+            record_event_counts(run, counts, self.key_prefix)
         if not self.summary:
             return
         summary = self._metrics.finish(self._ranks(trainer))
@@ -238,17 +253,17 @@ class AccumulationMonitor(Callback):
         else:  # counted from the batches; Lightning divided the loss by `k`
             divisor = _compat.lightning_loss_divisor(trainer)
             report = self._windows.step_report(self._hooks.batch_size(batch), outputs, divisor, trainer.global_step)
-        if report is None or not self._metrics.add(report, owner.noise_windows if owner is not None else 0):
+        step = _compat.logging_step(trainer)  # this step's, on the run's axis (a resumed fit goes on counting)
+        if report is None or not self._metrics.add(report, owner.noise_windows if owner is not None else 0, step=step):
             return  # still inside the window
         if self.progress_bar:  # what Lightning's TQDM and Rich bars show next to the loss
             _compat.set_progress_bar_metrics(trainer, progress_bar_batch(report))
-        step, interval = _compat.logging_step(trainer), self._logging_every(trainer)
+        interval = self._logging_every(trainer)
         if interval > 0 and (step + 1) % interval == 0:
             self._log(trainer, step)
         else:  # what ModelCheckpoint and EarlyStopping can read at this step, with no collective and no host read
-            metrics = self._metrics.between_logging_steps()
-            if metrics:
-                _compat.set_callback_metrics(trainer, metrics)
+            # An event key holds its value at the logging step of its event only: none is left from an earlier one.
+            _compat.set_callback_metrics(trainer, self._metrics.between_logging_steps(), drop=self._event_keys)
 
     def _logging_every(self, trainer: pl.Trainer) -> int:
         return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
@@ -265,8 +280,9 @@ class AccumulationMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
-        # EarlyStopping; the loggers were served above, at this step.
-        _compat.set_callback_metrics(trainer, metrics)
+        # EarlyStopping; the loggers were served above, at this step. The event keys of events not in this interval
+        # go: left there, `events/oom_recovered: 1.0` (the size after an OOM long ago) would read as "one OOM".
+        _compat.set_callback_metrics(trainer, metrics, drop=self._event_keys)
         self._metrics.new_interval()
 
     def _ranks(self, trainer: pl.Trainer) -> Ranks:
@@ -276,9 +292,14 @@ class AccumulationMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The noise-scale estimate is a moving average over windows: a resumed run continues it.
-        return {"noise_scale": self.noise_scale.state_dict()} if self.gradient_noise_scale else {}
+        # The run's training time goes on after a resume, as its step does. The noise-scale estimate is a moving
+        # average over windows: a resumed run continues it.
+        state: dict[str, Any] = {"train_seconds": self._metrics.train_seconds()}
+        if self.gradient_noise_scale:
+            state["noise_scale"] = self.noise_scale.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.noise_scale.load_state_dict(state_dict.get("noise_scale", {}))
+        self._metrics.run_seconds = float(state_dict.get("train_seconds", 0.0))  # older checkpoints: none

@@ -37,7 +37,7 @@ from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_c
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
 from lightning_accum.memory.sizes import format_size
 from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.planner import MicroBatchPlanner
+from lightning_accum.planner import MicroBatchPlanner, PlannerEvent
 from lightning_accum.planner_settings import PlannerSettings
 from lightning_accum.planner_units import Tokens
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
@@ -195,6 +195,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._backend: MemoryBackend | None = None
         self._retries_at_start = 0
         self._warned_unreachable = self._size_shrunk = False
+        self._decided: list[PlannerEvent] = []  # the last step's shrink or grow, logged when the next step starts
         self._capacity_bytes = 0
         self._closed: ClosedWindow | None = None
         self._cold = False  # the first step of a run that has not chosen a size yet
@@ -289,6 +290,8 @@ class AutoMicroBatching(AccumulationOwner):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self._backend is not None
+        decided, self._decided = self._decided, []
+        self._take_planner_events(decided)  # the last step's shrink or grow: this step runs with it
         if trainer.accumulate_grad_batches != 1:
             # Set after `setup` (by a callback such as `GradientAccumulationScheduler`, or by hand): Lightning would
             # skip optimizer steps, and split mode would silently drop step batches.
@@ -341,13 +344,14 @@ class AutoMicroBatching(AccumulationOwner):
             tokens = _token_figures(size, closed) if self.sequences is not None else None
             samples = figures.largest_samples if self.sequences is not None else size
             self._publish_step("split", samples, closed, runner.window_loss, peak, self.planner.budget_bytes, tokens)
-        # A shrink or grow decided now applies from the next step on: it is reported with that step, where the
-        # logged micro-batch size changes (an OOM's events belong to the step that recovered, reported above).
-        self._take_planner_events()
+        # A shrink or grow decided now applies from the next step on: it is logged and reported when that step
+        # starts, where the logged micro-batch size changes, and never for a step that does not run (after the last
+        # one). An OOM's events belong to the step that recovered, reported above.
+        self._decided = self.planner.take_events()
 
-    def _take_planner_events(self) -> None:
-        for event in self.planner.take_events():
-            self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason))
+    def _take_planner_events(self, events: list[PlannerEvent] | None = None) -> None:
+        for event in self.planner.take_events() if events is None else events:
+            self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason, event.unit))
 
     @override
     def state_dict(self) -> dict[str, Any]:

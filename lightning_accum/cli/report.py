@@ -45,6 +45,13 @@ _EVENT_STYLE: dict[str, tuple[str, str]] = {
     keys.EVENT_GROW: ("tab:green", "micro-batch grown"),
     keys.EVENT_SCHEDULE_CHANGE: ("tab:purple", "k changed"),
 }
+# Split by tokens the planner moves the token budget: its events say so.
+_EVENT_LABEL_BY_TOKENS: dict[str, str] = {
+    keys.EVENT_OOM_RECOVERED: "OOM recovered",
+    keys.EVENT_SHRINK: "token budget shrunk",
+    keys.EVENT_GROW: "token budget grown",
+    keys.EVENT_SCHEDULE_CHANGE: "k changed",
+}
 _OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named, not drawn
 _PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of ten above (a diverged loss)
 # Keys that only some runs log: a panel that draws one of them is left out where none of them was logged, and a
@@ -267,7 +274,7 @@ def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpe
     FigureCanvasAgg(figure)
     if title:
         figure.suptitle(title, fontsize=13, fontweight="bold")
-    context = _Context(series, x_range=_x_range(series, layout), events=_event_steps(series))
+    context = _Context(series, x_range=_x_range(series, layout), events=_event_steps(series), tokens=_by_tokens(series))
     subfigures = figure.subfigures(len(sections), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
     for (section, panels), subfigure, n_rows in zip(sections, subfigures, rows_per_section, strict=True):
         subfigure.suptitle(_section_title(section, series), fontsize=12, fontweight="bold", x=0.01, ha="left")
@@ -277,7 +284,7 @@ def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpe
         for ax in axes[len(panels) :]:
             ax.set_visible(False)
     # In the first section's title row, not the figure's: a long figure title would run under it.
-    _event_legend(subfigures[0], context.events)
+    _event_legend(subfigures[0], context.events, tokens=context.tokens)
     return figure
 
 
@@ -292,14 +299,19 @@ def _sections_to_draw(series: Series, layout: Sequence[SectionSpec]) -> list[tup
     return [(section, panels) for section, panels in sections if panels]
 
 
-def _event_legend(subfigure: Any, events: Mapping[str, list[float]]) -> None:
+def event_label(key: str, *, tokens: bool) -> str:
+    """What an event key's marks stand for in the report: by ``tokens``, the token budget's changes."""
+    return (_EVENT_LABEL_BY_TOKENS if tokens else {k: label for k, (_, label) in _EVENT_STYLE.items()})[key]
+
+
+def _event_legend(subfigure: Any, events: Mapping[str, list[float]], *, tokens: bool = False) -> None:
     # What the dotted lines on the batch and memory panels mean, once for the whole figure.
     from matplotlib.lines import Line2D
 
     if not events:
         return
     handles = [Line2D([], [], color=_EVENT_STYLE[key][0], linestyle=":", linewidth=1.5) for key in events]
-    labels = [_EVENT_STYLE[key][1] for key in events]
+    labels = [event_label(key, tokens=tokens) for key in events]
     subfigure.legend(handles, labels, loc="outside upper right", ncols=len(handles), fontsize=8, frameon=False)
 
 
@@ -309,6 +321,7 @@ class _Context:
     series: Series
     x_range: tuple[float, float]
     events: dict[str, list[float]]  # event key -> the steps it was logged at
+    tokens: bool = False  # the run split by tokens: the events move the token budget
 
 
 def _section_title(section: SectionSpec, series: Series) -> str:
@@ -348,7 +361,7 @@ def _draw_panel(ax: Any, panel: PanelSpec, context: _Context) -> None:
 
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("optimizer step", fontsize=8)
-    ax.set_ylabel(panel.y_label, fontsize=8)
+    ax.set_ylabel(panel.y_label_by_tokens if context.tokens and panel.y_label_by_tokens else panel.y_label, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(True, alpha=0.3)
     extra = user_loss_keys(context.series) if keys.WINDOW_LOSS in panel.keys else []
@@ -379,7 +392,8 @@ def _draw_key(ax: Any, panel: PanelSpec, key: str, context: _Context) -> list[fl
     steps, values = zip(*points, strict=True)
     if panel.style == "points":
         color = _EVENT_STYLE.get(key, (None, ""))[0]
-        ax.scatter(steps, values, s=28, label=key, zorder=3, color=color)
+        label = f"{key}: {event_label(key, tokens=context.tokens)}" if key in _EVENT_STYLE else key
+        ax.scatter(steps, values, s=28, label=label, zorder=3, color=color)
     elif key in _REFERENCE_KEYS:
         ax.plot(steps, values, linestyle="--", linewidth=1.5, color="tab:red", label=key)
     elif key not in panel.keys:  # the user's own loss, overlaid where it was logged

@@ -80,7 +80,9 @@ class PanelSpec:
 
     ``style="scalar"`` is a single number (the last value of its one key), for a quantity that does not move; the
     report puts it in its section's title. ``integer`` asks for whole-number ticks (sizes, counts), and
-    ``mark_events`` for the `keys.EVENT_KEYS` steps drawn as vertical lines (in the report).
+    ``mark_events`` for the `keys.EVENT_KEYS` steps drawn as vertical lines (in the report). ``y_label_by_tokens``
+    is the y label of a run split by tokens where its values count something else (the events' sizes are token
+    budgets there); the report uses it for such a run, the dashboard names both.
     """
 
     title: str
@@ -90,6 +92,14 @@ class PanelSpec:
     style: Literal["line", "points", "scalar"] = "line"
     integer: bool = False
     mark_events: bool = False
+    y_label_by_tokens: str | None = None
+
+    @property
+    def y_label_any_run(self) -> str:
+        """The y label for runs split by samples and by tokens alike (the dashboard's, which draws both)."""
+        if self.y_label_by_tokens is None:
+            return self.y_label
+        return f"{self.y_label}; split by tokens, {self.y_label_by_tokens}"
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,15 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
             PanelSpec(
                 "Allocator retries", (keys.ALLOC_RETRIES,), "cudaMalloc retries (cumulative)", _FROM_ZERO, integer=True
             ),
-            PanelSpec("Events", keys.EVENT_KEYS, "size after the change", _FROM_ZERO, style="points", integer=True),
+            PanelSpec(
+                "Events",
+                keys.EVENT_KEYS,
+                "samples / micro-batch after the change",
+                _FROM_ZERO,
+                style="points",
+                integer=True,
+                y_label_by_tokens="token budget after the change (tokens)",
+            ),
         ),
     ),
     SectionSpec(
@@ -323,7 +341,7 @@ def _panels(section: SectionSpec) -> list[Any]:
             x=STEP_METRIC,
             y=list(panel.keys),
             title_x="optimizer step",
-            title_y=panel.y_label,
+            title_y=panel.y_label_any_run,
             range_y=panel.y_range,
         )
         for panel in section.panels

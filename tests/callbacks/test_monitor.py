@@ -1155,3 +1155,93 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
             assert metrics[keys.ACCUMULATION_STEPS] == own[step]["micro_batches"], rank
         # No collective between the logging steps by tokens either: the figures came in the owner's report.
         assert [n for s, n in enumerate(record["collectives"]) if s not in rows] == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 25: event keys in callback_metrics, and a resumed run's step axis and training time
+# ----------------------------------------------------------------------------------------------------------------
+class SeenAtEachStep(pl.Callback):
+    """What ``trainer.callback_metrics`` holds under ``key`` after each optimizer step (after the monitor's hook)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.seen: dict[int, float | None] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        value = trainer.callback_metrics.get(self.key)
+        self.seen[trainer.global_step - 1] = None if value is None else float(value)
+
+
+def test_an_event_key_is_in_callback_metrics_at_its_step_only_and_a_count_after_fit_as_in_wandb(
+    tmp_path, wandb_offline
+):
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+
+    # OOMs at steps 1 and 2 (8 -> 4 -> 2); steps 3 and 4 have no event.
+    injector = OOMInjector([OOMFault(step=1, micro_batch=0), OOMFault(step=2, micro_batch=0)])
+    owner = AutoMicroBatching(8, max_memory=0.5, fault_injector=injector, oom_cooldown=100)
+    seen = SeenAtEachStep(keys.EVENT_OOM_RECOVERED)
+    model = RegressionModel()
+    model.split_mode = True
+    logger = WandbLogger(project="events", save_dir=str(tmp_path))
+    trainer = make_trainer(tmp_path, [owner, AccumulationMonitor(), seen], logger=logger)
+    trainer.fit(model, DataLoader(IndexedDataset(80), batch_size=16))
+    after_fit = float(trainer.callback_metrics[keys.EVENT_OOM_RECOVERED])
+    finish_wandb()
+    run = read_offline_run(tmp_path / "wandb", wait_s=10)
+    assert run.complete
+
+    sizes_after = {e.step: e.after for e in owner.events if e.kind == "oom_recovered"}
+    assert sizes_after == {1: 4, 2: 2}, owner.events
+    logged = {int(row[STEP_METRIC]): row[keys.EVENT_OOM_RECOVERED] for row in wandb_steps(run).values()
+              if keys.EVENT_OOM_RECOVERED in row}  # fmt: skip
+    assert logged == sizes_after  # the history: the size after each event, at its step
+    # callback_metrics holds the same at those steps, and nothing at the others (no stale "1.0" read as one OOM).
+    assert seen.seen == {0: None, 1: 4.0, 2: 2.0, 3: None, 4: None}
+    # After fit, the count: what the W&B run summary shows.
+    assert after_fit == run.summary[keys.EVENT_OOM_RECOVERED] == len(sizes_after) == owner.oom_retries
+
+
+def test_a_resumed_fit_goes_on_on_the_runs_step_axis_and_training_time(tmp_path, caplog):
+    import logging
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_accum import AutoMicroBatching
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+
+    def run(root, max_steps, ckpt_path=None, faults=()):
+        owner = AutoMicroBatching(8, max_memory=0.5, fault_injector=OOMInjector(list(faults)), oom_cooldown=100)
+        model = RegressionModel()
+        model.split_mode = True
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=max_steps, save_top_k=-1)
+        csv_logger = CSVLogger(str(root), name="csv")
+        trainer = make_trainer(
+            root, [owner, AccumulationMonitor(), checkpoint], logger=csv_logger, max_steps=max_steps,
+            max_epochs=-1, enable_checkpointing=True,
+        )  # fmt: skip
+        with caplog.at_level(logging.INFO):
+            trainer.fit(model, DataLoader(IndexedDataset(32), batch_size=16), ckpt_path=ckpt_path)
+        return trainer, read_csv(csv_logger.log_dir)
+
+    # Steps 0 to 5, an OOM at step 5 (8 -> 4); then steps 6 to 9 resumed from the checkpoint of step 6.
+    _first, first_rows = run(tmp_path / "a", 6, faults=[OOMFault(step=5, micro_batch=0)])
+    ckpt = tmp_path / "ckpt" / "epoch=2-step=6.ckpt"
+    assert ckpt.is_file()
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    monitor_state = next(state for name, state in saved.items() if "AccumulationMonitor" in name)
+    caplog.clear()
+    _second, rows = run(tmp_path / "b", 10, ckpt_path=ckpt)
+
+    assert sorted(rows) == [6, 7, 8, 9]  # the run's step axis
+    line = next(r.getMessage() for r in caplog.records if "optimizer steps" in r.getMessage())
+    assert line.startswith("lightning_accum: 4 optimizer steps (from step 6)")
+    assert "micro-batch 4, settled at 4 from step 6;" in line  # the run's step, not the fit's (it said "step 0")
+    # The training time goes on from what the checkpoint holds: the first fit's, up to its last logged step.
+    carried = monitor_state["train_seconds"]
+    assert carried >= first_rows[5][keys.TRAIN_SECONDS] > 0
+    assert rows[6][keys.TRAIN_SECONDS] > carried
+    seconds = [rows[s][keys.TRAIN_SECONDS] for s in sorted(rows)]
+    assert seconds == sorted(seconds)
+    AccumulationMonitor().load_state_dict({})  # an older checkpoint, without the training time, still loads

@@ -494,3 +494,26 @@ def test_by_tokens_the_summary_infers_no_world_size_from_the_micro_batch():
     text = summarize(tokens)
     assert "k = 2 at the end." in text and "ranks" not in text
     assert "Token budget 64 padded tokens per micro-batch throughout; padding 12.5% of" in text
+
+
+# ---- issue 25, item 7: a run split by tokens says its events move the token budget ---------------------------------
+
+
+def test_a_token_runs_events_are_labelled_as_the_token_budgets(split_run):
+    from lightning_accum.cli.report import build_figure
+
+    # The same run's series, as a run split by tokens logs it: its shrinks move the token budget (450 -> 290 tokens).
+    tokens = {
+        **split_run,
+        keys.MICRO_BATCH_TOKENS: [(0.0, 450.0), (1.0, 420.0), (2.0, 370.0), (3.0, 290.0)],
+        keys.EVENT_SHRINK: [(1.0, 420.0), (2.0, 370.0), (3.0, 290.0)],
+    }
+    by_samples, by_tokens = _axes(build_figure(split_run)), _axes(build_figure(tokens))
+    assert by_samples["Events"].get_ylabel() == "samples / micro-batch after the change"
+    assert by_tokens["Events"].get_ylabel() == "token budget after the change (tokens)"
+    labels = by_tokens["Events"].get_legend_handles_labels()[1]
+    assert f"{keys.EVENT_SHRINK}: token budget shrunk" in labels
+    assert not any("micro-batch shrunk" in label for label in labels)
+    figure = build_figure(tokens)
+    legend_texts = [t.get_text() for sub in figure.subfigs for legend in sub.legends for t in legend.get_texts()]
+    assert "token budget shrunk" in legend_texts and "micro-batch shrunk" not in legend_texts
