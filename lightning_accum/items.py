@@ -18,7 +18,7 @@ but cannot be written in a YAML config, nor pickled for ``ddp_spawn``; the small
 Counters return a tensor on the batch's device where they can, so counting never waits for the device (a
 `CountTokens` without ``shift`` reads one value back, once, to check its first batch for a model that shifts its
 labels). A counter of your own may return an int, a float (a weighted count, e.g. the sum of a float loss mask), a
-NumPy number or a single-element tensor; see `lightning_accum.normalization.count_items`.
+NumPy number or a single-element tensor; see `lightning_accum.core.normalization.count_items`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum._cli_types import NonNegativeInt
-from lightning_accum._validation import check_int, import_object
-from lightning_accum.normalization import batch_size_of
+from lightning_accum._util.cli_types import NonNegativeInt
+from lightning_accum._util.validation import check_int, import_object
+from lightning_accum.core.normalization import batch_size_of
 
 
 class CountTokens:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from torch.optim import Optimizer
 
-from lightning_accum._cli_types import (
+from lightning_accum._util.cli_types import (
     Decay,
     GrowthFactor,
     Milestones,
@@ -23,8 +23,8 @@ from lightning_accum._cli_types import (
     PositiveInt,
     SeveralMicroBatches,
 )
-from lightning_accum._validation import check_bool, check_choice, check_int, check_number
-from lightning_accum.noise_scale import NoiseScaleEstimator
+from lightning_accum._util.validation import check_bool, check_choice, check_int, check_number
+from lightning_accum.core.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
 Rounding = Literal["error", "floor", "ceil", "nearest"]
@@ -246,7 +246,7 @@ class AdaptiveBatchSize:
     The gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al., 2018) predicts the critical batch size:
     below it, a larger batch buys almost proportionally faster progress per step; above it, little. It usually grows
     as the loss falls. This schedule measures it in every window (at the cost of two gradient norms, see
-    `lightning_accum.noise_scale`) and, after each optimizer step, aims ``k`` at
+    `lightning_accum.core.noise_scale`) and, after each optimizer step, aims ``k`` at
     ``factor · B_noise / (items per micro-batch · world size)``, clamped to ``[min_accumulation_steps,
     max_accumulation_steps]``. A change lands at the next window boundary, moves ``k`` by at most ``max_growth``,
     and waits ``warmup_windows`` windows after the last one: a single window's estimate of ``|G|²`` can be near zero

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum._cli_types import ImportPath, PositiveInt
-from lightning_accum._validation import check_int, import_object
+from lightning_accum._util.cli_types import ImportPath, PositiveInt
+from lightning_accum._util.validation import check_int, import_object
 from lightning_accum.items import lookup
 from lightning_accum.splitting import (
     BatchHooks,

@@ -484,7 +484,7 @@ def test_every_checked_argument_is_checked_while_parsing(
 
 
 # What each class a config builds may leave to jsonargparse's plain `int`, `float` or `str`: any value of the type is
-# valid there. Every other argument an `__init__` checks needs a type of `lightning_accum._cli_types`.
+# valid there. Every other argument an `__init__` checks needs a type of `lightning_accum._util.cli_types`.
 UNCHECKED = {("CountTokens", "key"), ("CountTokens", "ignore_index"), ("AccumulationMonitor", "key_prefix")}
 CONFIGURABLE = [AutoMicroBatching, AccumulationScheduler, AccumulationMonitor, ConstantSchedule, StepwiseSchedule]
 CONFIGURABLE += [BatchSizeRamp, AdaptiveBatchSize, CountTokens]
@@ -503,7 +503,7 @@ def test_no_checked_argument_is_left_to_a_plain_type(cls: type) -> None:
     hints = typing.get_type_hints(cls.__init__)
     plain = {name: plain_members(hint) for name, hint in hints.items() if name != "return"}
     unchecked = {name for name, members in plain.items() if members and (cls.__name__, name) not in UNCHECKED}
-    assert not unchecked, f"{cls.__name__}: annotate {sorted(unchecked)} with a type of lightning_accum._cli_types"
+    assert not unchecked, f"{cls.__name__}: annotate {sorted(unchecked)} with a type of lightning_accum._util.cli_types"
 
 
 @pytest.mark.parametrize(

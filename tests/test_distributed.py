@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_accum.distributed import all_reduce_gradients
+from lightning_accum._util.distributed import all_reduce_gradients
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(120)]
 

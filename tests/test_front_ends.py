@@ -2,8 +2,8 @@
 
 `AccumulationScheduler` (window mode, a callback), `ManualAccumulation` (manual optimization, an object the
 LightningModule holds and calls ``backward`` on) and `AutoMicroBatching` (split mode, a callback) hold one
-`lightning_accum.engine.AccumulationEngine`. A small adapter per front end (`FrontEnd`) builds its Trainer and module
-and runs a fit; the same checks then run over every front end they apply to:
+`lightning_accum.core.engine.AccumulationEngine`. A small adapter per front end (`FrontEnd`) builds its Trainer and
+module and runs a fit; the same checks then run over every front end they apply to:
 
 1. **Validation of k.** A bad schedule raises the pure core's own error, with its message, in both window-mode front
    ends: at construction where it can be known (``{0: 0}``, ``-1``), at the window that asks otherwise (a custom
@@ -49,10 +49,10 @@ from torch.utils.data import DataLoader
 
 import tests.helpers as h
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, ManualAccumulation
-from lightning_accum.callbacks._owner import find_owner
-from lightning_accum.engine import AccumulationEngine, ScheduleDriver
-from lightning_accum.planner_settings import PlannerSettings
+from lightning_accum.core.engine import AccumulationEngine, ScheduleDriver
+from lightning_accum.front_ends._owner import find_owner
 from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, Progress, StepwiseSchedule, as_schedule
+from lightning_accum.split.planner_settings import PlannerSettings
 from tests.test_uneven_ranks import RankBatches, rank_batches
 
 LR = 0.1

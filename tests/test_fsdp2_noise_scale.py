@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 import tests.helpers as h
 from lightning_accum import AccumulationMonitor, AccumulationScheduler, AutoMicroBatching, _compat
-from lightning_accum.noise_scale import WindowNoiseMeter, unbiased_estimates
+from lightning_accum.core.noise_scale import WindowNoiseMeter, unbiased_estimates
 from lightning_accum.schedules import AdaptiveBatchSize
 from tests.test_fsdp2 import LR, WORLD_SIZE, ShardedTokenModel, _free_port, start_worker
 from tests.test_fsdp2_split import SplitShardedModel

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_accum.core.normalization import count_items
 from lightning_accum.items import CountSamples, CountTokens, resolve_counter
-from lightning_accum.normalization import count_items
 
 LABELS = torch.tensor([[5, 7, -100, -100], [3, 4, 9, -100], [-100, -100, -100, -100]])
 
@@ -111,12 +111,12 @@ def _count_rows(batch: Any) -> int:
         (None, None),
         ("lightning_accum.items.CountTokens", CountTokens()),
         ("lightning_accum.items:CountSamples", CountSamples()),
-        ("lightning_accum.normalization.batch_size_of", None),  # a function: checked by identity below
-        ("lightning_accum.normalization:batch_size_of", None),
+        ("lightning_accum.core.normalization.batch_size_of", None),  # a function: checked by identity below
+        ("lightning_accum.core.normalization:batch_size_of", None),
     ],
 )
 def test_resolve_counter_imports_paths(spec: str | None, expected: Any) -> None:
-    from lightning_accum.normalization import batch_size_of
+    from lightning_accum.core.normalization import batch_size_of
 
     resolved = resolve_counter(spec)
     if spec is not None and spec.endswith("batch_size_of"):

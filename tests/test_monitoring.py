@@ -12,9 +12,11 @@ import torch
 from torch import Tensor
 
 from lightning_accum import keys
-from lightning_accum.engine import Ranks
+from lightning_accum.core.engine import Ranks
+from lightning_accum.core.noise_scale import NoiseScale, NoiseScaleEstimator
+from lightning_accum.core.step_report import AccumulationEvent, LossSum, StepReport
 from lightning_accum.memory.budget import GIB
-from lightning_accum.monitor_metrics import (
+from lightning_accum.monitor.metrics import (
     AccumulationMetrics,
     EveryStepMetrics,
     check_key_prefix,
@@ -27,7 +29,7 @@ from lightning_accum.monitor_metrics import (
     run_config,
     why_not_every_step,
 )
-from lightning_accum.monitoring import (
+from lightning_accum.monitor.monitoring import (
     FitSummary,
     LightningWindows,
     MemoryReading,
@@ -37,8 +39,6 @@ from lightning_accum.monitoring import (
     every_step_keys,
     window_loss,
 )
-from lightning_accum.noise_scale import NoiseScale, NoiseScaleEstimator
-from lightning_accum.report import AccumulationEvent, LossSum, StepReport
 
 
 class FakeBackend:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lightning_accum import noise_scale
-from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter, unbiased_estimates
+from lightning_accum.core import noise_scale
+from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter, unbiased_estimates
 
 
 def test_unbiased_estimates_invert_the_expected_norms():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_accum.normalization import WindowNormalizer, batch_size_of, count_items
+from lightning_accum.core.normalization import WindowNormalizer, batch_size_of, count_items
 
 
 def accumulate(normalizer, micro_batches, reduction, world_size=1, sum_across_ranks=None):

@@ -7,10 +7,16 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
-from lightning_accum.planner import MicroBatchOOMError, MicroBatchPlanner, PlannerEvent, SimulationResult, simulate
-from lightning_accum.report import AccumulationEvent
+from lightning_accum.split.planner import (
+    MicroBatchOOMError,
+    MicroBatchPlanner,
+    PlannerEvent,
+    SimulationResult,
+    simulate,
+)
 from tests.helpers import TokenModel, token_loss
 
 CAPACITY = 16 * GIB

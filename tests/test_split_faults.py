@@ -88,7 +88,7 @@ class SpikeThenOOM(SplitTokenModel):
 
 def test_one_oom_causes_exactly_one_shrink(tmp_path, monkeypatch):
     backend = FakeBackend(capacity=64 * PER_SAMPLE)
-    monkeypatch.setattr("lightning_accum.callbacks.auto_micro_batching.backend_for", lambda device: backend)
+    monkeypatch.setattr("lightning_accum.front_ends.auto_micro_batching.backend_for", lambda device: backend)
     callback = AutoMicroBatching(8, max_memory=10 * PER_SAMPLE, count_items=count_tokens)
     peaks: list[tuple[int, int]] = []
     on_step = callback.planner.on_step
@@ -356,7 +356,7 @@ class BreakTheAgreement(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank != self.rank:
             return
-        import lightning_accum.split_step as split_step
+        import lightning_accum.split.step as split_step
 
         real, failed = split_step.agreement_max, []
 

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_accum.step_logs import StepLogCombiner
+from lightning_accum.split.step_logs import StepLogCombiner
 
 
 def combined(values_and_items: list[tuple[float, int]], reduce_fx: str, weights_as_tensors: bool = True) -> float:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 
 _KIB = 1024
 # The device types `DeviceBackend` serves, as its messages name them.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lightning_accum._validation import check_number
+from lightning_accum._util.validation import check_number
 
 GIB = 2**30
 """Bytes in a GiB: the unit of every ``*_gib`` metric and message."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_accum._validation import check_int, check_number
+from lightning_accum._util.validation import check_int, check_number
 
 _STATE_VERSION = 1
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 
 Category = Literal["parameters", "gradients", "optimizer_state", "activations"]
 CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_state", "activations")

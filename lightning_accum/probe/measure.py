@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget, Target
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from lightning_accum import _compat
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeStep, FakeTarget
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision

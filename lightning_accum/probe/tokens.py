@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 from lightning_accum.memory.fake import Target
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_accum._validation import as_whole_number, check_int
+from lightning_accum._util.validation import as_whole_number, check_int
 
 HOW_TO_FIX = (
     "Put the samples on dim 0, or pass a value shared by all samples as a 0-dim tensor or a Python object. For a"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_accum._validation import as_whole_number
+from lightning_accum._util.validation import as_whole_number
 from lightning_accum.splitting._reading import Kind, Node, is_array
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lightning_accum._validation import as_whole_number, check_int, import_object
+from lightning_accum._util.validation import as_whole_number, check_int, import_object
 from lightning_accum.splitting.plan import BatchPlan, MicroBatch, _plan, batch_size_of
 
 # A user hook `split_batch(batch, micro_batch_size) -> list of micro-batches`, and `batch_size_of(batch) -> int`.

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 from lightning_accum.splitting._reading import (
     Kind,
     Node,

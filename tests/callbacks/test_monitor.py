@@ -22,12 +22,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, keys
-from lightning_accum.callbacks._owner import AccumulationOwner
-from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
+from lightning_accum.core.step_report import AccumulationEvent, StepReport
+from lightning_accum.front_ends._owner import AccumulationOwner
+from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
 from lightning_accum.memory.backends import backend_for
-from lightning_accum.monitoring import BUDGET_FRACTION
-from lightning_accum.report import AccumulationEvent, StepReport
+from lightning_accum.monitor.monitoring import BUDGET_FRACTION
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 GIB = 1024**3
@@ -357,7 +357,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_split_mode_with_auto_micro_batching(tmp_path, loss_reduction):
-    from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
+    from lightning_accum.front_ends.auto_micro_batching import AutoMicroBatching
 
     # Step batches of 10 cut into micro-batches of 4, 4 and 2: the window loss is the item-weighted mean over all 10.
     n, step_batch, micro = 10, 10, 4
@@ -635,7 +635,7 @@ def test_the_summary_peak_covers_the_steps_after_the_last_logging_step(tmp_path)
 
 def test_interval_totals_has_no_stray_add_peak():
     # Issue 20, item 8: a copy of `FitSummary.add_peak` that nothing called, and that raised AttributeError.
-    from lightning_accum.monitoring import FitSummary, IntervalTotals
+    from lightning_accum.monitor.monitoring import FitSummary, IntervalTotals
 
     assert not hasattr(IntervalTotals(), "add_peak")
     summary = FitSummary()
@@ -769,7 +769,7 @@ def test_a_checkpoint_that_reads_an_interval_figure_between_logging_steps_is_war
     ],
 )
 def test_which_keys_are_there_at_every_step(owner, world_size, expected):
-    from lightning_accum.monitoring import every_step_keys
+    from lightning_accum.monitor.monitoring import every_step_keys
 
     assert set(every_step_keys(has_owner=owner, world_size=world_size, noise_scale=False)) == expected
     with_noise = every_step_keys(has_owner=True, world_size=world_size, noise_scale=True)
@@ -887,9 +887,9 @@ class RecordsReports(pl.Callback):
 
 
 def test_the_monitor_logs_what_its_trainer_free_core_makes_of_the_owners_reports(tmp_path):
-    from lightning_accum.engine import Ranks
-    from lightning_accum.monitor_metrics import AccumulationMetrics
-    from lightning_accum.monitoring import every_step_keys
+    from lightning_accum.core.engine import Ranks
+    from lightning_accum.monitor.metrics import AccumulationMetrics
+    from lightning_accum.monitor.monitoring import every_step_keys
 
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     recorder = RecordsReports()

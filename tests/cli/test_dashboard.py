@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
-from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
+from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import (
     USER_SECTION,
     read_offline_run,
@@ -21,7 +21,7 @@ from lightning_accum.integrations.wandb import (
     spec_metric_patterns,
 )
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.monitoring import BUDGET_FRACTION
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 

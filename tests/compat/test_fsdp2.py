@@ -103,7 +103,7 @@ def test_the_param_groups_of_a_state_from_before_torch_2_12_are_read_too():
 # the held-back gradient: `reduce_grads`, `_unsharded_param.grad`, `unsharded_accumulated_grad`
 # ---------------------------------------------------------------------------------------------------------------
 def test_split_modes_fsdp2_policy_finds_the_modules_once_not_at_every_micro_batch(sharded, monkeypatch):
-    from lightning_accum.split_sync import FSDP2
+    from lightning_accum.split.sync import FSDP2
 
     reference, model = sharded
     expected = _reference_grads(reference)

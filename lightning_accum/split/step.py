@@ -2,9 +2,9 @@
 
 `SplitStepRunner` is the closure `lightning_accum.AutoMicroBatching` gives Lightning's automatic optimization. For
 each attempt at a step it cuts the step batch at the planner's size, runs the micro-batches with their exact weights
-(`lightning_accum.engine.AccumulationEngine`), and lets the ranks agree on the outcome with exactly one small
+(`lightning_accum.core.engine.AccumulationEngine`), and lets the ranks agree on the outcome with exactly one small
 all-reduce (`SplitStepRunner.agree`): at the end of the attempt, or, where the last backward syncs
-(`lightning_accum.split_sync.SyncPolicy.syncs_in_last_backward`), after the last forward and before that backward.
+(`lightning_accum.split.sync.SyncPolicy.syncs_in_last_backward`), after the last forward and before that backward.
 A rank that fails earlier goes straight to that agreement; the others meet it there.
 
 =============================  ====================================================================================
@@ -29,15 +29,15 @@ import torch
 from torch import Tensor
 
 from lightning_accum import _compat
-from lightning_accum.distributed import max_across_ranks
-from lightning_accum.engine import AccumulationEngine
+from lightning_accum._util.distributed import max_across_ranks
+from lightning_accum.core.engine import AccumulationEngine
+from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
-from lightning_accum.planner import MicroBatchPlanner
-from lightning_accum.report import LossSum
 from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats
-from lightning_accum.split_sync import SyncPolicy
-from lightning_accum.step_logs import StepLogCombiner
+from lightning_accum.split.planner import MicroBatchPlanner
+from lightning_accum.split.step_logs import StepLogCombiner
+from lightning_accum.split.sync import SyncPolicy
 
 
 class Fault(IntEnum):
@@ -90,7 +90,7 @@ class SplitStepRunner:
         sequences: where the batch's sequences are, to cut by tokens (`lightning_accum.sequences`); ``None`` cuts by
             samples.
         planner: chooses the micro-batch size; told the agreed figures after an OOM.
-        policy: how gradients are held back and synced (`lightning_accum.split_sync`).
+        policy: how gradients are held back and synced (`lightning_accum.split.sync`).
         logs: combines the ``self.log`` calls of a step's micro-batches.
         backend: the device's memory backend (its peak is reset for a retry).
         on_oom: called on every rank after the planner shrank for an OOM (counts it, reports the planner's events).

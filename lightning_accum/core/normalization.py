@@ -33,7 +33,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
-from lightning_accum._validation import check_choice
+from lightning_accum._util.validation import check_choice
 
 # `batch_size_of` reads a batch the way `split_batch` cuts it, so it lives with it; it is part of this module's API.
 from lightning_accum.splitting import batch_size_of as batch_size_of

@@ -1,6 +1,6 @@
 """What the micro-batch planner's sizes count: samples, or padded tokens. Pure: no Trainer, no device.
 
-`lightning_accum.planner.MicroBatchPlanner` decides one size per step from measured peaks and OOMs; its unit says
+`lightning_accum.split.planner.MicroBatchPlanner` decides one size per step from measured peaks and OOMs; its unit says
 what that size is, what the smallest one is, how a size is used under the planner's limit, and which peak model fits
 the measurements:
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from lightning_accum._validation import check_int
+from lightning_accum._util.validation import check_int
 from lightning_accum.memory.model import LinearPeakModel, SequencePeakModel
-from lightning_accum.planner_settings import PlannerSettings
+from lightning_accum.split.planner_settings import PlannerSettings
 
 PeakModel = LinearPeakModel | SequencePeakModel
 

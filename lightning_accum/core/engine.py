@@ -24,9 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lightning_accum.items import resolve_counter
-from lightning_accum.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
-from lightning_accum.normalization import (
+from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
+from lightning_accum.core.normalization import (
     ItemCounter,
     LossReduction,
     WindowNormalizer,
@@ -34,7 +33,8 @@ from lightning_accum.normalization import (
     check_loss_reduction,
     count_items,
 )
-from lightning_accum.report import AccumulationEvent
+from lightning_accum.core.step_report import AccumulationEvent
+from lightning_accum.items import resolve_counter
 from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 
@@ -206,7 +206,7 @@ class AccumulationEngine:
 
     Args:
         count_items: counts the items of a micro-batch (default: its samples); see
-            `lightning_accum.normalization.count_items`.
+            `lightning_accum.core.normalization.count_items`.
         loss_reduction: whether a micro-batch's loss is the ``"mean"`` or the ``"sum"`` over its items.
         schedule: ``k`` as a schedule object, for the front ends that follow one (``None``: ``k`` = 1).
 

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accum import _compat
-from lightning_accum.distributed import all_reduce_gradients
+from lightning_accum._util.distributed import all_reduce_gradients
 from lightning_accum.memory.oom import describe_error, is_oom_error
 
 GradientSync = Literal["deferred", "overlap"]

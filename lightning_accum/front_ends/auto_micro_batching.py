@@ -1,9 +1,9 @@
 """``AutoMicroBatching``: split each step batch into micro-batches that fit, and never lose a step to an OOM.
 
-The callback is the Lightning glue: it checks the setup, builds a `lightning_accum.split_step.SplitStepRunner` (one
+The callback is the Lightning glue: it checks the setup, builds a `lightning_accum.split.step.SplitStepRunner` (one
 step's micro-batches, OOM retries and the ranks' agreement) with the strategy's
-`lightning_accum.split_sync.SyncPolicy`, asks `lightning_accum.planner.MicroBatchPlanner` for the size, and publishes
-what each step did.
+`lightning_accum.split.sync.SyncPolicy`, asks `lightning_accum.split.planner.MicroBatchPlanner` for the size, and
+publishes what each step did.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum._cli_types import (
+from lightning_accum._util.cli_types import (
     ImportPath,
     MemorySize,
     MicroBatchSize,
@@ -28,23 +28,24 @@ from lightning_accum._cli_types import (
     OpenUnitInterval,
     PositiveInt,
 )
-from lightning_accum._validation import check_bool, check_choice
-from lightning_accum.callbacks._owner import AccumulationOwner, log_info
-from lightning_accum.distributed import max_across_ranks
-from lightning_accum.engine import ClosedWindow
+from lightning_accum._util.distributed import max_across_ranks
+from lightning_accum._util.validation import check_bool, check_choice
+from lightning_accum.core.engine import ClosedWindow
+from lightning_accum.core.normalization import ItemCounter, LossReduction
+from lightning_accum.core.step_report import AccumulationEvent
+from lightning_accum.front_ends._owner import AccumulationOwner, log_info
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.planner import MicroBatchPlanner, PlannerEvent
-from lightning_accum.planner_settings import PlannerSettings
-from lightning_accum.planner_units import Tokens
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
-from lightning_accum.report import AccumulationEvent
 from lightning_accum.sequences import PaddedSequences, TokenCut
-from lightning_accum.split_step import SplitStepRunner
-from lightning_accum.split_sync import (
+from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
+from lightning_accum.split.planner_settings import PlannerSettings
+from lightning_accum.split.planner_units import Tokens
+from lightning_accum.split.step import SplitStepRunner
+from lightning_accum.split.step_logs import StepLogCombiner
+from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
     GradientSync,
     overlap_wait_warning,
@@ -52,7 +53,6 @@ from lightning_accum.split_sync import (
     sync_policy,
 )
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn
-from lightning_accum.step_logs import StepLogCombiner
 
 __all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]
 
@@ -75,8 +75,8 @@ class AutoMicroBatching(AccumulationOwner):
       keep rising) makes the next use a smaller ``b``, predicted from a model of the measured peaks (linear in ``b``;
       by tokens, ``fixed + T (a + c L)``); ``b``
       grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
-      ``oom_cooldown`` steps (`lightning_accum.planner`; the settings: `lightning_accum.planner_settings`).
-    * **DDP and FSDP2** (`lightning_accum.split_sync`). Under DDP the gradients are summed across ranks once, after
+      ``oom_cooldown`` steps (`lightning_accum.split.planner`; the settings: `lightning_accum.split.planner_settings`).
+    * **DDP and FSDP2** (`lightning_accum.split.sync`). Under DDP the gradients are summed across ranks once, after
       every rank finished its micro-batches (``gradient_sync="deferred"``, the default): an OOM in any forward or
       backward can never leave a rank waiting in DDP's all-reduce. ``"overlap"`` lets DDP sync in the last micro-batch's
       backward, after the ranks agreed on every forward: faster, but an OOM *inside that backward* cannot be retried
@@ -93,7 +93,7 @@ class AutoMicroBatching(AccumulationOwner):
     * **Batch norm** normalizes each micro-batch over its own samples, so a model with batch-norm layers gets a
       different (not exact) update; a warning says so at setup.
 
-    ``self.log`` calls are combined into one value per step (`lightning_accum.step_logs`); other outputs of
+    ``self.log`` calls are combined into one value per step (`lightning_accum.split.step_logs`); other outputs of
     ``training_step`` than the loss are the last micro-batch's.
 
     Args:
@@ -283,7 +283,7 @@ class AutoMicroBatching(AccumulationOwner):
             self._runner.logs.clear()
 
     # ----------------------------------------------------------------------------------------------------------
-    # one optimizer step (its micro-batches run in `lightning_accum.split_step.SplitStepRunner`)
+    # one optimizer step (its micro-batches run in `lightning_accum.split.step.SplitStepRunner`)
     # ----------------------------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from lightning_accum._validation import check_int, check_number, import_object
+from lightning_accum._util.validation import check_int, check_number, import_object
 from lightning_accum.memory.budget import check_max_memory
 
 if TYPE_CHECKING:

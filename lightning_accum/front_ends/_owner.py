@@ -1,7 +1,7 @@
 """What every callback that owns accumulation does alike: claiming ``k``, undoing its patches, publishing reports.
 
 ``AccumulationScheduler`` (window mode) and ``AutoMicroBatching`` (split mode) differ in how a step is cut into
-micro-batches; the arithmetic lives in their shared `lightning_accum.engine.AccumulationEngine`, and the Lightning
+micro-batches; the arithmetic lives in their shared `lightning_accum.core.engine.AccumulationEngine`, and the Lightning
 glue around it here, once.
 """
 
@@ -18,11 +18,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum.distributed import max_across_ranks, sum_across_ranks_fn
-from lightning_accum.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
-from lightning_accum.noise_scale import NoiseScaleEstimator
-from lightning_accum.normalization import ItemCounter, LossReduction
-from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
+from lightning_accum._util.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
+from lightning_accum.core.noise_scale import NoiseScaleEstimator
+from lightning_accum.core.normalization import ItemCounter, LossReduction
+from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.splitting import BatchHooks
 
 log = logging.getLogger("lightning_accum")
@@ -31,10 +31,10 @@ log = logging.getLogger("lightning_accum")
 class AccumulationOwner(HoldsEngine, Callback):
     """Base of the callbacks that own gradient accumulation. Not used directly.
 
-    It holds the `lightning_accum.engine.AccumulationEngine` (counting, the exactness arithmetic, the schedule, the
+    It holds the `lightning_accum.core.engine.AccumulationEngine` (counting, the exactness arithmetic, the schedule, the
     noise scale, the state); it moves its callback to the front of ``trainer.callbacks`` (so that every other
     ``on_before_optimizer_step`` sees the exact gradient), undoes what the subclass installed on the trainer when
-    ``fit`` ends or raises, and publishes one `lightning_accum.report.StepReport` per optimizer step.
+    ``fit`` ends or raises, and publishes one `lightning_accum.core.step_report.StepReport` per optimizer step.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """``AccumulationMonitor``: batch, memory, recovery and throughput figures at every optimizer step, to every logger.
 
-Glue only: the totals live in `lightning_accum.monitoring` and what is logged, shown and warned about is built in
-`lightning_accum.monitor_metrics`, both Trainer-free; this callback reads the Trainer and runs the collectives.
+Glue only: the totals live in `lightning_accum.monitor.monitoring` and what is logged, shown and warned about is
+built in `lightning_accum.monitor.metrics`, both Trainer-free; this callback reads the Trainer and runs the collectives.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum import _compat, keys
-from lightning_accum._cli_types import Decay, PositiveInt
-from lightning_accum._validation import check_bool, check_int
-from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
-from lightning_accum.engine import Ranks
+from lightning_accum._util.cli_types import Decay, PositiveInt
+from lightning_accum._util.validation import check_bool, check_int
+from lightning_accum.core.engine import Ranks
+from lightning_accum.core.noise_scale import NoiseScaleEstimator
+from lightning_accum.front_ends._owner import AccumulationOwner, find_owner, ranks_of
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
 from lightning_accum.memory.backends import backend_for
-from lightning_accum.monitor_metrics import (
+from lightning_accum.monitor.metrics import (
     NOISE_SCALE_NEEDS_AN_OWNER,
     AccumulationMetrics,
     check_key_prefix,
@@ -31,8 +32,7 @@ from lightning_accum.monitor_metrics import (
     progress_bar_batch,
     run_config,
 )
-from lightning_accum.monitoring import LightningWindows, RankMemory, every_step_keys
-from lightning_accum.noise_scale import NoiseScaleEstimator
+from lightning_accum.monitor.monitoring import LightningWindows, RankMemory, every_step_keys
 from lightning_accum.splitting import resolve_batch_hooks
 
 
@@ -45,9 +45,9 @@ class AccumulationMonitor(Callback):
     zero, on Lightning's own step axis: the step ``self.log`` and ``LearningRateMonitor`` use (the first step is 0).
     They also reach ``trainer.callback_metrics`` for ``ModelCheckpoint`` and ``EarlyStopping``: at a logging step,
     what the loggers got; at the other steps, what needs no collective and no host read (the batch figures, and on one
-    process the window loss so far: `lightning_accum.monitoring.every_step_keys`). Memory and throughput are figures
-    of a logging interval; a ``ModelCheckpoint`` that would read one between logging steps is warned about. With a
-    ``WandbLogger``, the keys are defined against ``trainer/global_step`` and the settings go into the run config
+    process the window loss so far: `lightning_accum.monitor.monitoring.every_step_keys`). Memory and throughput are
+    figures of a logging interval; a ``ModelCheckpoint`` that would read one between logging steps is warned about.
+    With a ``WandbLogger``, the keys are defined against ``trainer/global_step`` and the settings go into the run config
     under ``lightning_accum``. The device is synchronized at logging steps only (memory, the window loss, a few small
     all-reduces), never per micro-batch.
 

@@ -87,7 +87,7 @@ class StepReport:
             peak every step); ``None`` otherwise.
         budget_bytes: the memory budget, where the owner has one.
         noise: this window's unbiased estimates ``(|G|², tr(Σ))`` of the gradient noise scale's parts, averaged over
-            ranks, when measured (see `lightning_accum.noise_scale`); ``None`` otherwise.
+            ranks, when measured (see `lightning_accum.core.noise_scale`); ``None`` otherwise.
         micro_batch_tokens: split mode by tokens: the token budget (padded tokens per micro-batch); ``None``
             otherwise.
         padding_fraction: split mode by tokens: the share of the token positions the step's micro-batches computed

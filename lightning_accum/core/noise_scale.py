@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum._validation import check_int, check_number
+from lightning_accum._util.validation import check_int, check_number
 
 try:
     from torch.distributed.tensor import DTensor

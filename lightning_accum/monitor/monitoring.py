@@ -3,7 +3,7 @@
 Pure: no Trainer, no logger. The callback gathers raw counts (samples, items, bytes, seconds) and this
 module turns them into the contract keys of `lightning_accum.keys`, so every figure can be checked by hand. It also
 keeps what the monitor adds up between logging steps and over a fit (`IntervalTotals`, `LightningWindows`,
-`FitSummary`, `TrainingClock`, `RankMemory`); `lightning_accum.monitor_metrics` builds what is logged from them.
+`FitSummary`, `TrainingClock`, `RankMemory`); `lightning_accum.monitor.metrics` builds what is logged from them.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_accum import keys
+from lightning_accum.core.step_report import AccumulationEvent, EventKind, LossSum, StepReport
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.budget import GIB
-from lightning_accum.report import AccumulationEvent, EventKind, LossSum, StepReport
 
 BUDGET_FRACTION = keys.BUDGET_FRACTION  # (kept here too: older imports name it from this module)
 
@@ -32,7 +32,7 @@ EVENT_KEY_BY_KIND: dict[EventKind, str] = {
     "shrink": keys.EVENT_SHRINK,
     "grow": keys.EVENT_GROW,
 }
-"""Which metric key records an `lightning_accum.report.AccumulationEvent` of each kind."""
+"""Which metric key records an `lightning_accum.core.step_report.AccumulationEvent` of each kind."""
 
 
 def to_gib(n_bytes: float) -> float:
@@ -150,7 +150,7 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
 
 
 STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
-"""The figures of one step's own `lightning_accum.report.StepReport`."""
+"""The figures of one step's own `lightning_accum.core.step_report.StepReport`."""
 
 LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS))
 """Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
@@ -288,7 +288,7 @@ def window_loss(mean: WeightedMean, loss: LossSum) -> float:
 
 
 class IntervalTotals:
-    """What the steps of one logging interval add up to, from their `lightning_accum.report.StepReport`.
+    """What the steps of one logging interval add up to, from their `lightning_accum.core.step_report.StepReport`.
 
     Examples:
         >>> totals = IntervalTotals()

@@ -1,6 +1,6 @@
 """The micro-batch planner's settings, each written once with its default and its check: `PlannerSettings`.
 
-`lightning_accum.planner.MicroBatchPlanner` reads every setting through a `PlannerSettings`. `AutoMicroBatching`
+`lightning_accum.split.planner.MicroBatchPlanner` reads every setting through a `PlannerSettings`. `AutoMicroBatching`
 takes the same settings as keyword arguments (LightningCLI reads a callback's signature, so they stay explicit
 there) with their defaults read from here, builds a `PlannerSettings` from them, and records
 `PlannerSettings.run_config` in the run config.
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
-from lightning_accum._validation import check_bool, check_int, check_number
+from lightning_accum._util.validation import check_bool, check_int, check_number
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class PlannerSettings:
         micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's answer when it is
             already fitted, e.g. after a pre-flight trace or a probe); an int starts there.
         min_micro_batch_size: never go below this; an OOM at this size raises
-            `lightning_accum.planner.MicroBatchOOMError` with the memory figures.
+            `lightning_accum.split.planner.MicroBatchOOMError` with the memory figures.
         pin_micro_batch_size: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no
             growing past it. An OOM still shrinks it (the alternative is a crash), and it grows back to it after the
             cool-down.
