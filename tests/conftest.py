@@ -1,12 +1,32 @@
-"""Fixtures every test module shares: an offline W&B sandbox and a network that refuses every connection."""
+"""Fixtures every test module shares: no process outlives its test, an offline W&B sandbox, and a network that
+refuses every connection."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import tests.helpers as h
+
+
+@pytest.fixture(autouse=True)
+def no_process_left() -> Iterator[None]:
+    """A process the test started and left running (a rank waiting in a collective after pytest's timeout, a
+    subprocess never waited for) is killed, and the test errors with its command line.
+
+    pytest-timeout (``timeout_method = "signal"``) fails the test in its main thread, which runs the fixtures'
+    teardown: this one is set up first of all (autouse), so it runs last, after the test's own cleanup.
+    """
+    before = set(h.descendants(os.getpid()))
+    yield
+    stray = h.stray_processes(before)
+    if stray:
+        listed = "\n".join(f"  {pid}: {cmd[:200]}" for pid, cmd in sorted(stray.items()))
+        pytest.fail(f"the test left {len(stray)} process(es) running; killed them:\n{listed}", pytrace=False)
 
 
 @pytest.fixture

@@ -1,18 +1,124 @@
-"""Small models, data and reference computations shared by the tests."""
+"""Small models, data and reference computations shared by the tests, and the one way the tests start ranks."""
 
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 """`torch.testing.assert_close` tolerances for float32 results that differ only in summation order."""
+
+# ---- starting ranks ----------------------------------------------------------------------------------------------
+# Every multi-rank test goes through `ddp_strategy`, `fsdp2_strategy` or `start_ranks` (tests/test_codebase.py checks
+# it). Ranks that disagree wait in mismatched collectives; with the default 30-minute process-group timeout they
+# would outlive pytest's timeout, which does not end spawned processes. Under RANK_TIMEOUT gloo raises in the waiting
+# rank instead, the launcher stops the others, and the test fails. The `no_process_left` fixture (conftest.py) kills
+# whatever a test still leaves behind.
+
+RANK_TIMEOUT = timedelta(seconds=float(os.environ.get("LIGHTNING_ACCUM_TEST_RANK_TIMEOUT_S", "60")))
+"""The tests' process-group timeout: how long a rank waits in one collective for its peers before it fails.
+
+Far above the skew between two ranks on a loaded 2-core machine (a few seconds), far below pytest's timeout (120 s
+and up for the multi-rank tests). ``LIGHTNING_ACCUM_TEST_RANK_TIMEOUT_S`` changes it (a very slow machine).
+"""
+
+
+def ddp_strategy(**kwargs: Any) -> DDPStrategy:
+    """``DDPStrategy`` for a test: 2-process ``ddp_spawn`` on gloo under `RANK_TIMEOUT`; ``kwargs`` override."""
+    return DDPStrategy(**{"start_method": "spawn", "process_group_backend": "gloo", "timeout": RANK_TIMEOUT, **kwargs})
+
+
+def fsdp2_strategy(world_size: int = 2, **kwargs: Any) -> ModelParallelStrategy:
+    """``ModelParallelStrategy`` (FSDP2, data parallel only) for a test's ranks: gloo under `RANK_TIMEOUT`."""
+    defaults = {"data_parallel_size": world_size, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+    return ModelParallelStrategy(**{**defaults, "timeout": RANK_TIMEOUT, **kwargs})
+
+
+def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them, as ``mp.start_processes``.
+
+    One rank that fails stops the others (torch's join does), and the error is raised here. When the wait itself is
+    interrupted (pytest's timeout, Ctrl-C), every rank is killed before the exception goes on: torch leaves them
+    running, and pytest would then wait for them at exit.
+    """
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        for process in context.processes:
+            process.join(timeout=10)
+        raise
+
+
+SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Processes that multiprocessing starts once and keeps for the whole session, shared by every test that spawns."""
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process under ``pid`` (children, grandchildren, ...) and its command line, read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # `pid (comm) state ppid ...`: comm may hold spaces and parentheses, so split after the last ')'.
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if state != "Z":  # a zombie is dead already, only not yet reaped
+            children.setdefault(int(ppid), []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found[child] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        todo.extend(children.get(child, []))
+    return found
+
+
+def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
+    """Kill what runs under this process now and did not at ``before`` (session helpers aside); what was killed.
+
+    ``grace_s`` lets a process that was already told to stop (a rank its launcher terminated) exit by itself first.
+    The whole tree is read before any kill, so that grandchildren are found before their parent dies.
+    """
+
+    def stray() -> dict[int, str]:
+        now = descendants(os.getpid())
+        return {p: c for p, c in now.items() if p not in before and not any(s in c for s in SESSION_HELPERS)}
+
+    deadline, found = time.monotonic() + grace_s, stray()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = stray()
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return found
 
 
 class IndexedDataset(Dataset):

@@ -212,3 +212,74 @@ def test_the_check_finds_lightning_reached_through_another_module(tmp_path):
     pure, reaching = lightning_paths(package)
     assert pure == ["pkg.core", "pkg.typed"]
     assert reaching == {"pkg.core": ["pkg.core", "pkg.glue", "lightning.pytorch"]}
+
+
+# ---- issue 25, item 15: every multi-rank test starts its ranks through tests/helpers.py --------------------------
+
+RANK_STARTERS = {"DDPStrategy", "ModelParallelStrategy", "FSDPStrategy", "start_processes", "spawn"}
+"""What starts ranks, or builds the strategy that does: outside tests/helpers.py a test uses `h.ddp_strategy`,
+`h.fsdp2_strategy` or `h.start_ranks` instead, whose process-group timeout turns a disagreement into a failure."""
+
+
+def _called_name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def ranks_started_around_the_helpers(root: Path) -> list[str]:
+    """Calls under ``root`` (its ``helpers.py`` aside) that start ranks or build a strategy without the test timeout."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "helpers.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name, keywords = _called_name(node.func), {k.arg: k.value for k in node.keywords}
+            where = f"{path.relative_to(root.parent)}:{node.lineno}"
+            if name in RANK_STARTERS and not (name == "spawn" and not _is_multiprocessing(node.func)):
+                found.append(f"{where} calls {name}(): use tests.helpers (ddp_strategy, fsdp2_strategy, start_ranks)")
+            elif name == "init_process_group" and "timeout" not in keywords and not _one_rank(keywords):
+                found.append(f"{where} calls init_process_group() without timeout=h.RANK_TIMEOUT")
+            strategy = keywords.get("strategy")
+            if isinstance(strategy, ast.Constant) and str(strategy.value).startswith(("ddp", "fsdp", "model_parallel")):
+                found.append(f"{where} passes strategy={strategy.value!r}: use strategy=h.ddp_strategy()")
+    return found
+
+
+def _is_multiprocessing(func: ast.expr) -> bool:
+    """``mp.spawn`` / ``torch.multiprocessing.spawn``, not an unrelated ``spawn`` (a pexpect one, say)."""
+    return isinstance(func, ast.Attribute) and ast.unparse(func.value) in {
+        "mp",
+        "multiprocessing",
+        "torch.multiprocessing",
+    }
+
+
+def _one_rank(keywords: dict[str | None, ast.expr]) -> bool:
+    size = keywords.get("world_size")
+    return isinstance(size, ast.Constant) and size.value == 1
+
+
+def test_every_test_that_starts_ranks_goes_through_the_helpers():
+    # A test that built its own `DDPStrategy` would wait 30 minutes in a mismatched collective, past pytest's timeout.
+    assert ranks_started_around_the_helpers(ROOT / "tests") == []
+
+
+def test_the_check_finds_ranks_started_around_the_helpers(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "helpers.py").write_text("import torch.multiprocessing as mp\nmp.start_processes(print)\n")
+    (tests / "test_x.py").write_text(
+        "import torch.multiprocessing as mp\n"
+        "from lightning.pytorch.strategies import DDPStrategy\n"
+        "DDPStrategy(start_method='spawn')\n"
+        "mp.start_processes(print, nprocs=2)\n"
+        "mp.spawn(print, nprocs=2)\n"
+        "dist.init_process_group('gloo', rank=0, world_size=2)\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"  # one rank: nothing to disagree with
+        "pl.Trainer(strategy='ddp_spawn', devices=2)\n"
+        "pexpect.spawn('ls')\n"
+    )
+    assert [f.split(" ")[0] for f in ranks_started_around_the_helpers(tests)] == [
+        f"tests/test_x.py:{line}" for line in (3, 4, 5, 6, 8)
+    ]

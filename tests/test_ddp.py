@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
@@ -50,7 +49,7 @@ class CountAllReduces(pl.Callback):
 
 
 def ddp_trainer(tmp_path: Any, callbacks: Sequence[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    strategy = h.ddp_strategy()
     return h.make_trainer(tmp_path, callbacks, strategy=strategy, devices=2, **kwargs)
 
 

@@ -8,8 +8,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import tests.helpers as h
 from lightning_accum._util.distributed import all_reduce_gradients
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(120)]
@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
     try:
         params = [
             torch.zeros(3, requires_grad=True),
@@ -41,7 +41,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_all_reduce_gradients_sums_every_gradient_in_buckets(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    h.start_ranks(_worker, (_free_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for result in ranks:
         grads = result["grads"]

@@ -37,14 +37,12 @@ import itertools
 import os
 import re
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
@@ -179,8 +177,7 @@ class FrontEnd:
 
     def trainer(self, root: Path, front_end: Any, *extra: pl.Callback, ddp: bool = False, **kwargs: Any) -> pl.Trainer:
         if ddp:
-            # A short process-group timeout: ranks that disagree fail in a collective instead of hanging.
-            strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", timeout=timedelta(seconds=90))
+            strategy = h.ddp_strategy()  # ranks that disagree fail in a collective (RANK_TIMEOUT), not hang
             kwargs.update(strategy=strategy, devices=2, use_distributed_sampler=False)
         return h.make_trainer(root, [*self.callbacks(front_end), *extra], **kwargs)
 

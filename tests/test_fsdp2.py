@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -125,9 +124,7 @@ def start_worker(rank: int, port: int) -> tuple[_CollectiveCounter, ModelParalle
     # `reduce_scatter_single` is what FSDP2's default reduce-scatter calls (`_fsdp_collectives.DefaultReduceScatter`),
     # `reduce_scatter_tensor` what older releases called; `all_reduce` carries the item counts.
     counter = _CollectiveCounter("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
-    strategy = ModelParallelStrategy(
-        data_parallel_size=WORLD_SIZE, tensor_parallel_size=1, process_group_backend="gloo"
-    )
+    strategy = h.fsdp2_strategy(WORLD_SIZE)
     return counter, strategy
 
 
@@ -155,7 +152,7 @@ def _free_port() -> int:
 
 def run_fsdp2(out_dir: Any, k: int, sync_every_micro_batch: bool, max_epochs: int = 1) -> list[dict[str, Any]]:
     args = (_free_port(), str(out_dir), k, sync_every_micro_batch, max_epochs)
-    mp.start_processes(_worker, args=args, nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_worker, args, WORLD_SIZE)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -52,7 +51,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_manual_accumulation_under_fsdp2_reduce_scatters_once_per_step_and_is_exact(tmp_path: Any) -> None:
     # 24 sequences, 12 per rank, 2 per micro-batch: 6 micro-batches per rank, k=3, so 2 optimizer steps.
-    mp.start_processes(_worker, args=(fsdp2._free_port(), str(tmp_path)), nprocs=fsdp2.WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_worker, (fsdp2._free_port(), str(tmp_path)), fsdp2.WORLD_SIZE)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(fsdp2.WORLD_SIZE)]
     assert all(r["sharded"] for r in ranks)
     assert [len(r["step_grads"]) for r in ranks] == [2, 2]

@@ -18,8 +18,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -62,7 +60,7 @@ class _SaveNoise(pl.Callback):
 def _worker(rank: int, port: int, out_dir: str, mode: str) -> None:
     _, strategy = start_worker(rank, port)
     if mode == "ddp":  # the same run under DDP, which Lightning also starts from torchrun's variables
-        strategy = DDPStrategy(process_group_backend="gloo")
+        strategy = h.ddp_strategy(start_method="popen")
     if mode in ("fsdp2", "ddp"):
         schedule = AdaptiveBatchSize(2, 8, warmup_windows=2, beta=0.5, factor=8.0)
         callbacks: list[pl.Callback] = [AccumulationScheduler(schedule, count_items=h.count_tokens)]
@@ -83,7 +81,7 @@ def _worker(rank: int, port: int, out_dir: str, mode: str) -> None:
 
 def run(out_dir: Any, mode: str) -> list[dict[str, Any]]:
     """Run ``mode`` (``"fsdp2"`` or ``"ddp"`` in window mode, ``"split"`` under FSDP2) on 2 ranks; what each saw."""
-    mp.start_processes(_worker, args=(_free_port(), str(out_dir), mode), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_worker, (_free_port(), str(out_dir), mode), WORLD_SIZE)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
@@ -208,4 +206,4 @@ def _accessor_worker(rank: int, port: int) -> None:
 @pytest.mark.ddp
 @pytest.mark.timeout(120)
 def test_the_first_micro_batchs_gradient_is_found_where_fsdp2_holds_it_back():
-    mp.start_processes(_accessor_worker, args=(_free_port(),), nprocs=1, start_method="spawn")
+    h.start_ranks(_accessor_worker, (_free_port(),), 1)

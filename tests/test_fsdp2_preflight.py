@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -81,7 +80,7 @@ def _split_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
 
 def _fidelity_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=h.RANK_TIMEOUT)
     torch.set_num_threads(1)
     model = _WideTokenModel()
     model.shard(init_device_mesh("cpu", (WORLD_SIZE,)))
@@ -103,7 +102,7 @@ def _fidelity_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_the_preflight_traces_an_fsdp2_step_as_split_mode_runs_it(tmp_path):
-    mp.start_processes(_fidelity_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_fidelity_worker, (_free_port(), str(tmp_path)), WORLD_SIZE)
     for rank in range(WORLD_SIZE):
         run = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         found = run["found"]
@@ -140,7 +139,7 @@ def _fit_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_auto_micro_batching_under_fsdp2_starts_from_the_trace(tmp_path):
-    mp.start_processes(_fit_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_fit_worker, (_free_port(), str(tmp_path)), WORLD_SIZE)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
     for run in ranks:
         assert run["warnings"] == []  # before: "... fell back ... (AssertionError: FSDP does not support deepcopy ..."

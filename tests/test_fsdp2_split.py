@@ -15,8 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 
 import tests.helpers as h
@@ -123,7 +122,7 @@ def _worker(
 
 def run_split(out_dir: Any, steps: int, faults: list[OOMFault], empty_at: int | None = None) -> list[dict[str, Any]]:
     args = (_free_port(), str(out_dir), steps, faults, empty_at)
-    mp.start_processes(_worker, args=args, nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_worker, args, WORLD_SIZE)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
@@ -212,7 +211,7 @@ def test_an_empty_last_micro_batch_on_one_rank_stops_every_rank_with_a_clear_err
 
 def test_deferred_sync_is_refused_under_fsdp2(tmp_path):
     callback = AutoMicroBatching(MICRO, gradient_sync="deferred")
-    strategy = ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1)
+    strategy = h.fsdp2_strategy(WORLD_SIZE)
     with pytest.raises(ValueError, match=r"`gradient_sync='deferred'` is not available under `ModelParallelStrategy`"):
         callback.setup(_WithStrategy(h.make_trainer(tmp_path), strategy), SplitShardedModel(), "fit")
 

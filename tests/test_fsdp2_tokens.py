@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -81,7 +80,7 @@ def _worker(rank: int, port: int, out_dir: str, faults: list[OOMFault]) -> None:
 
 
 def run(out_dir: Any, faults: list[OOMFault]) -> list[dict[str, Any]]:
-    mp.start_processes(_worker, args=(_free_port(), str(out_dir), faults), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_worker, (_free_port(), str(out_dir), faults), WORLD_SIZE)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 

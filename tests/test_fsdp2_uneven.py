@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -87,7 +86,7 @@ def _worker(rank: int, port: int, out_dir: str, faults: list[OOMFault], unused_h
 
 
 def run(out_dir: Any, faults: list[OOMFault], unused_head: bool = False) -> list[dict[str, Any]]:
-    mp.start_processes(_worker, args=(_free_port(), str(out_dir), faults, unused_head), nprocs=WORLD_SIZE)
+    h.start_ranks(_worker, (_free_port(), str(out_dir), faults, unused_head), WORLD_SIZE)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 

@@ -17,7 +17,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may download; set before tran
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -231,7 +230,7 @@ def test_shift_1_is_exact_under_ddp(tmp_path, mode):
     callback = callbacks[mode]()
     model = CausalLM(split_mode=split)
     initial = copy.deepcopy(model)
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    strategy = h.ddp_strategy()
     trainer = h.make_trainer(tmp_path, [callback, SaveSteps(str(tmp_path))], strategy=strategy, devices=2)
     trainer.fit(model, DataLoader(dataset, batch_size=8 if split else 3, collate_fn=collate))
 

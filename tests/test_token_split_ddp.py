@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
@@ -63,7 +62,7 @@ def run(tmp_path: Any, gradient_sync: str, faults: list[OOMFault], steps: int = 
     model = TinyCausalLM(lr=LR)
     initial = copy.deepcopy(model)
     callback = pinned_token_callback(faults, gradient_sync=gradient_sync)
-    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    ddp = h.ddp_strategy()
     trainer = h.make_trainer(
         tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2, use_distributed_sampler=False
     )

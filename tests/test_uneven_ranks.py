@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
@@ -88,7 +87,7 @@ def run_uneven(
     tmp_path: Any, model: SplitModel, sizes: list[tuple[int, int]], callback: AutoMicroBatching, **strategy: Any
 ) -> list[dict[str, Any]]:
     dataset = h.TokenDataset(sum(map(sum, sizes)), seed=1)
-    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo", **strategy)
+    ddp = h.ddp_strategy(**strategy)
     callbacks = [callback, SaveUneven(str(tmp_path))]
     trainer = h.make_trainer(tmp_path, callbacks, strategy=ddp, devices=2, use_distributed_sampler=False)
     trainer.fit(model, DataLoader(dataset, batch_sampler=RankBatches(rank_batches(sizes))))

@@ -2,5 +2,5 @@
 
 The Trainer callbacks (`AccumulationScheduler`, `AutoMicroBatching`, `AccumulationMonitor`), manual optimization
 (`ManualAccumulation`) and Lightning Fabric. Users import them from `lightning_accum`, `lightning_accum.callbacks`
-and `lightning_accum.manual`.
+and `lightning_accum.front_ends.manual`.
 """

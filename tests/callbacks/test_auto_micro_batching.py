@@ -650,12 +650,11 @@ def test_a_model_without_batch_norm_gets_no_such_warning(tmp_path):
 def test_overlap_under_nccl_with_a_long_timeout_is_warned_about(gradient_sync, world_size, backend, minutes, warns):
     from datetime import timedelta
 
-    from lightning.pytorch.strategies import DDPStrategy
-
     from lightning_accum import _compat
     from lightning_accum.front_ends.auto_micro_batching import overlap_wait_warning
+    from tests.helpers import ddp_strategy
 
-    timeout = _compat.process_group_timeout(DDPStrategy(timeout=timedelta(minutes=minutes)))
+    timeout = _compat.process_group_timeout(ddp_strategy(timeout=timedelta(minutes=minutes)))
     assert timeout == timedelta(minutes=minutes)
     warning = overlap_wait_warning(gradient_sync, world_size, backend, timeout)
     assert (warning is not None) == warns

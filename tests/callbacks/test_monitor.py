@@ -17,7 +17,6 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -28,7 +27,7 @@ from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitor.monitoring import BUDGET_FRACTION
-from tests.helpers import IndexedDataset, RegressionModel, make_trainer
+from tests.helpers import IndexedDataset, RegressionModel, ddp_strategy, make_trainer
 
 GIB = 1024**3
 # What a CPU run logs at every optimizer step (no reserved pool on CPU; events only when they happen).
@@ -327,7 +326,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
     callbacks[-1] = AccumulationMonitor(per_rank_memory=True)
     # A fixed version: the spawned rank 0 writes the file, and the parent would otherwise resolve the next version.
     csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    strategy = ddp_strategy()
     trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=world, **kwargs)
     # 32 samples: 16 per rank, 4 micro-batches, 2 windows of k=2 per rank. Only rank 1 allocates, in the 2nd step.
     trainer.fit(AllocatesAtStep(step=1, n_bytes=spike, rank=1), DataLoader(IndexedDataset(32), batch_size=b))
@@ -829,7 +828,7 @@ def test_ddp_between_logging_steps_the_owners_figures_are_there_without_a_new_co
     import json
 
     csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    strategy = ddp_strategy()
     callbacks = [AccumulationScheduler(2), CountsCollectives(logging_interval=3), WritesStepMetrics(tmp_path)]
     trainer = make_trainer(tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=2)
     # 28 samples a rank in micro-batches of 2 at k=2: 7 steps, logged at steps 2 and 5; step 6 comes after the last.
@@ -1120,7 +1119,7 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
     )
     csv_logger = CSVLogger(str(tmp_path), name="csv", version="ddp")
     callbacks = [owner, CountsCollectives(logging_interval=2), WritesTokenRun(tmp_path)]
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    strategy = ddp_strategy()
     trainer = make_trainer(
         tmp_path, callbacks, logger=csv_logger, strategy=strategy, devices=2, use_distributed_sampler=False
     )

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_accum import _compat
 from lightning_accum._compat import fsdp2
-from tests.helpers import FP32
+from tests.helpers import FP32, fsdp2_strategy
 
 
 def _model() -> nn.Sequential:
@@ -310,7 +309,7 @@ def test_unsharded_for_step_restores_the_settings_on_error(sharded):
 # ---------------------------------------------------------------------------------------------------------------
 def test_the_strategys_blocking_holds_fsdp2_back_only_once_patched(sharded):
     _, model = sharded
-    strategy = ModelParallelStrategy()
+    strategy = fsdp2_strategy()
     strategy.model = model
     with _block_parallel_sync_behavior(strategy, block=True):
         model(X).sum().backward()

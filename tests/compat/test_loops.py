@@ -17,14 +17,13 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_accum import _compat
 from lightning_accum._compat import _version, loops
-from tests.helpers import FP32, IndexedDataset, RegressionModel, make_trainer, mse_loss, reference_grads
+from tests.helpers import FP32, IndexedDataset, RegressionModel, ddp_strategy, make_trainer, mse_loss, reference_grads
 
 
 class _Recorder(RegressionModel):
@@ -308,7 +307,7 @@ def test_the_split_closure_runs_lightnings_pieces_in_its_own_order(tmp_path):
 # backward-sync blocking: `_block_parallel_sync_behavior` calls `strategy.block_backward_sync()`
 # ---------------------------------------------------------------------------------------------------------------
 def test_disabling_the_blocking_lets_the_loops_blocked_micro_batches_sync(gloo_group):
-    strategy = DDPStrategy()
+    strategy = ddp_strategy()
     strategy.model = ddp = DistributedDataParallel(nn.Linear(2, 1))
     with _block_parallel_sync_behavior(strategy, block=True):
         assert ddp.require_backward_grad_sync is False  # Lightning's blocking is DDP's `no_sync`

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching
 from lightning_accum.front_ends._owner import find_owner
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from tests.helpers import TokenDataset, TokenModel, count_tokens, quiet_trainer_kwargs
+from tests.helpers import TokenDataset, TokenModel, count_tokens, ddp_strategy, quiet_trainer_kwargs
 
 NUM_NODES = 2
 LR = 0.05
@@ -142,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     model = make_model(args.mode)
     count_items = count_tokens if args.count_items == "tokens" else None
     # A short collective timeout: if the other node dies, this one fails instead of waiting 30 minutes.
-    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60))
+    strategy = ddp_strategy(start_method="popen")
     trainer = pl.Trainer(
         **quiet_trainer_kwargs(
             accelerator="cpu",
