@@ -10,13 +10,9 @@ import torch
 from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
-from lightning_accum.split.planner import (
-    MicroBatchOOMError,
-    MicroBatchPlanner,
-    PlannerEvent,
-    SimulationResult,
-    simulate,
-)
+from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
+from lightning_accum.split.planner_messages import MicroBatchOOMError
+from lightning_accum.split.simulation import SimulationResult, simulate
 from tests.helpers import TokenModel, token_loss
 
 CAPACITY = 16 * GIB

@@ -15,7 +15,7 @@ from lightning_accum import AutoMicroBatching, sequences
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.sequences import MICRO_BATCH_COST, PaddedSequences, TokenCut
-from lightning_accum.split.planner import MicroBatchOOMError
+from lightning_accum.split.planner_messages import MicroBatchOOMError
 from lightning_accum.splitting import SequenceTrim
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 

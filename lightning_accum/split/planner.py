@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from lightning_accum._util.validation import check_int, check_number
 from lightning_accum.memory.sizes import format_size, format_sizes
+from lightning_accum.split.planner_history import PlannerHistory, optional
+from lightning_accum.split.planner_messages import at_floor, out_of_memory_error, out_of_reach
 from lightning_accum.split.planner_settings import PlannerSettings
-from lightning_accum.split.planner_units import PeakModel, Samples, Tokens
+from lightning_accum.split.planner_units import PeakModel, Samples
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
 _STATE_VERSION = 1
@@ -69,38 +70,6 @@ class PlannerEvent(NamedTuple):
     after: int
     reason: str
     unit: Literal["samples", "tokens"] = "samples"  # what ``before`` and ``after`` count (the planner's unit)
-
-
-class MicroBatchOOMError(RuntimeError):
-    """An out-of-memory error at the smallest micro-batch size allowed: shrinking further cannot fix it.
-
-    Attributes:
-        micro_batch_size: the size that ran out of memory.
-        step: the optimizer step.
-        budget_bytes: the planner's memory budget (``None`` when it has none).
-        last_peak_bytes: the last peak measured on a completed step, if any.
-        fixed_bytes: the memory model's estimate of memory that doesn't depend on ``b`` (``None`` before a fit).
-        per_sample_bytes: the memory model's estimate of memory per sample (``None`` before a fit).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        micro_batch_size: int,
-        step: int,
-        budget_bytes: float | None,
-        last_peak_bytes: float | None,
-        fixed_bytes: float | None,
-        per_sample_bytes: float | None,
-    ) -> None:
-        super().__init__(message)
-        self.micro_batch_size = micro_batch_size
-        self.step = step
-        self.budget_bytes = budget_bytes
-        self.last_peak_bytes = last_peak_bytes
-        self.fixed_bytes = fixed_bytes
-        self.per_sample_bytes = per_sample_bytes
 
 
 class _FromSettings(Generic[_T]):
@@ -125,59 +94,6 @@ class _FromSettings(Generic[_T]):
         raise AttributeError(
             f"`MicroBatchPlanner.{self._name}` reads `planner.settings`, which is frozen. Build the planner with the"
             " setting you want, or replace them all: `planner.settings = dataclasses.replace(planner.settings, ...)`."
-        )
-
-
-@dataclass
-class _History:
-    """What past steps left for the next decision: with the size limit and the memory model, what a checkpoint holds."""
-
-    under: int = 0  # consecutive steps under the low watermark
-    retry_streak: int = 0  # consecutive steps on which the allocator retried
-    failed: dict[int, int] = field(default_factory=dict)  # size that failed -> first step it (or more) may run again
-    last_peak: float | None = None  # the last step's peak and size, for the error at the smallest size
-    last_size: int | None = None
-    # (size, peak) where the current run of over-budget shrinks began: what the shrinks saved since is measured.
-    shrink_start: tuple[int, float] | None = None
-    # The size at which the planner said that even the smallest size is over the budget. Split by tokens the smallest
-    # (the step's longest sequence) moves from step to step; the hold keeps the planner from shrinking, at the next
-    # shorter step, below the floor it has just announced.
-    held_at_floor: int | None = None
-
-    def cool_down(self, size: int, until: int) -> None:
-        self.failed[size] = max(self.failed.get(size, 0), until)
-
-    def cooling_down_from(self, step: int) -> int | None:
-        for size in [s for s, until in self.failed.items() if until <= step]:
-            del self.failed[size]  # expired; dropping it keeps the checkpoint small
-        return min(self.failed) if self.failed else None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "under": self.under,
-            "retry_streak": self.retry_streak,
-            "failed": [[size, until] for size, until in sorted(self.failed.items())],
-            "last_peak": self.last_peak,
-            "last_size": self.last_size,
-            "shrink_start": None if self.shrink_start is None else list(self.shrink_start),
-            "held_at_floor": self.held_at_floor,
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> _History:
-        """Missing keys keep their defaults, so older checkpoints still load (issue 19 added ``shrink_start``).
-
-        ``held_at_floor`` came with issue 25.
-        """
-        shrink_start = state.get("shrink_start")
-        return cls(
-            under=int(state.get("under", 0)),
-            retry_streak=int(state.get("retry_streak", 0)),
-            failed={int(size): int(until) for size, until in state.get("failed", [])},
-            last_peak=_optional(float, state.get("last_peak")),
-            last_size=_optional(int, state.get("last_size")),
-            shrink_start=None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1])),
-            held_at_floor=_optional(int, state.get("held_at_floor")),
         )
 
 
@@ -236,7 +152,7 @@ class MicroBatchPlanner:
         self.events: list[PlannerEvent] = []
         self._limit: int | None = None  # the largest size believed to fit; the size used is balanced below it
         self._step_batch_size: int | None = None
-        self._history = _History()
+        self._history = PlannerHistory()
         self.budget_unreachable: str | None = None
         """After `on_step`: why shrinking cannot bring the peak under the budget, or ``None``."""
 
@@ -318,7 +234,7 @@ class MicroBatchPlanner:
         step = check_int(step, "step", 0)
         if size <= self.unit.floor(self.settings):
             last = (self._history.last_peak, self._history.last_size)
-            raise _out_of_memory(size, step, self.unit, self.settings, self.budget_bytes, last, self.model)
+            raise out_of_memory_error(size, step, self.unit, self.settings, self.budget_bytes, last, self.model)
         target, reason = size // 2, f"OOM at {size}: halved"
         if self.settings.predictive and self.budget_bytes is not None and self.model.fitted():
             target, reason = _after_oom(size, self.budget_bytes, self.model)
@@ -349,18 +265,9 @@ class MicroBatchPlanner:
 
         self.budget_unreachable = None
         if budget is not None and peak > budget:
-            if history.held_at_floor is not None:  # said already: no size is small enough, so none is tried
-                self.budget_unreachable = _at_floor(history.held_at_floor, peak, budget, self.unit)
-            else:
-                self.budget_unreachable = _out_of_reach(size, peak, budget, self.unit, settings, history.shrink_start)
-                if self.budget_unreachable is not None and size <= self.unit.floor(settings):
-                    history.held_at_floor = size
-            if can_shrink and self.budget_unreachable is None:
-                if history.shrink_start is None:
-                    history.shrink_start = (size, peak)
-                target = self._shrink_target(size, peak, budget)
-                reason = "peak {} > budget {}".format(*format_sizes(peak, budget))
-                return self._change("shrink", size, target, step, reason)
+            shrunk = self._over_budget(size, peak, budget, step, can_shrink)
+            if shrunk is not None:
+                return shrunk
         elif budget is not None:
             history.shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
             history.held_at_floor = None
@@ -379,7 +286,12 @@ class MicroBatchPlanner:
         if history.under < settings.grow_patience:
             return self._current(size)
         history.under = 0
-        grown = self._grow_target(size, peak, budget, step)
+        cap = self._step_batch_size or size
+        if settings.pin_micro_batch_size and isinstance(settings.micro_batch_size, int):
+            cap = min(cap, settings.micro_batch_size)
+        ceiling = self.cooling_down_from(step)
+        allowed = cap if ceiling is None else min(cap, ceiling - 1)
+        grown = _grow_target(size, peak, budget, allowed, cap, settings.predictive, self.model)
         if grown is None or grown <= self._limit:
             return self._current(size)
         texts = format_sizes(peak, self._low_mark(budget))
@@ -417,6 +329,22 @@ class MicroBatchPlanner:
                 self._history.shrink_start = None
         self.model.observe(size, peak)
 
+    def _over_budget(self, size: int, peak: float, budget: float, step: int, can_shrink: bool) -> int | None:
+        """A peak over the budget: the size shrunk to, or ``None`` where shrinking cannot help (then it says why)."""
+        history = self._history
+        if history.held_at_floor is not None:  # said already: no size is small enough, so none is tried
+            self.budget_unreachable = at_floor(history.held_at_floor, peak, budget, self.unit)
+        else:
+            self.budget_unreachable = out_of_reach(size, peak, budget, self.unit, self.settings, history.shrink_start)
+            if self.budget_unreachable is not None and size <= self.unit.floor(self.settings):
+                history.held_at_floor = size
+        if not can_shrink or self.budget_unreachable is not None:
+            return None
+        if history.shrink_start is None:
+            history.shrink_start = (size, peak)
+        target = self._shrink_target(size, peak, budget)
+        return self._change("shrink", size, target, step, "peak {} > budget {}".format(*format_sizes(peak, budget)))
+
     def _shrink_target(self, size: int, peak: float, budget: float) -> int:
         if not self.settings.predictive:
             return size // 2
@@ -425,25 +353,6 @@ class MicroBatchPlanner:
         # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
         # than halving would.
         return min(size // 2, math.floor(size * budget / peak))
-
-    def _grow_target(self, size: int, peak: float, budget: float, step: int) -> int | None:
-        settings = self.settings
-        cap = self._step_batch_size or size
-        if settings.pin_micro_batch_size and isinstance(settings.micro_batch_size, int):
-            cap = min(cap, settings.micro_batch_size)
-        ceiling = self.cooling_down_from(step)
-        allowed = cap if ceiling is None else min(cap, ceiling - 1)
-        if allowed <= size:
-            return None
-        if not settings.predictive:
-            doubled = min(2 * size, cap)
-            # Probing one below a failed size would creep up on it one OOM at a time; wait for the cool-down.
-            return None if doubled > allowed else doubled
-        if self.model.fitted():
-            return self.model.largest_fitting(budget, allowed)
-        if peak <= 0:
-            return min(2 * size, allowed)
-        return min(allowed, math.floor(size * budget / peak))
 
     def _change(self, kind: PlannerEventKind, size: int, target: int, step: int, reason: str) -> int:
         before = self._current(size) if kind == "grow" else size
@@ -475,9 +384,9 @@ class MicroBatchPlanner:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict`; missing keys keep their defaults so older checkpoints still load."""
-        self._limit = _optional(int, state.get("limit"))
-        self._step_batch_size = _optional(int, state.get("step_batch_size"))
-        self._history = _History.from_state_dict(state)
+        self._limit = optional(int, state.get("limit"))
+        self._step_batch_size = optional(int, state.get("step_batch_size"))
+        self._history = PlannerHistory.from_state_dict(state)
         self.model = self.unit.new_model()
         if "model" in state:
             self.model.load_state_dict(state["model"])
@@ -504,6 +413,23 @@ def _settings_from(
     return settings
 
 
+def _grow_target(
+    size: int, peak: float, budget: float, allowed: int, cap: int, predictive: bool, model: PeakModel
+) -> int | None:
+    """The size to grow to from ``size`` (at most ``allowed``, below any size cooling down), or ``None``: stay."""
+    if allowed <= size:
+        return None
+    if not predictive:
+        doubled = min(2 * size, cap)
+        # Probing one below a failed size would creep up on it one OOM at a time; wait for the cool-down.
+        return None if doubled > allowed else doubled
+    if model.fitted():
+        return model.largest_fitting(budget, allowed)
+    if peak <= 0:
+        return min(2 * size, allowed)
+    return min(allowed, math.floor(size * budget / peak))
+
+
 def _fit_below(model: PeakModel, budget: float, size: int) -> int:
     """The largest size under ``size`` that the fitted ``model`` predicts to fit ``budget``, else half of ``size``.
 
@@ -528,171 +454,3 @@ def _after_oom(size: int, budget: float, model: PeakModel) -> tuple[int, str]:
     # passing spike, it still knows which sizes fit, and the failed size waits out its cool-down. (A model thrown
     # away here left one measured size, and with large fixed memory the micro-batch never grew back.)
     return size // 2, "OOM at {}, predicted {} <= budget {}: halved".format(size, *format_sizes(predicted, budget))
-
-
-def _out_of_reach(
-    size: int,
-    peak: float,
-    budget: float,
-    unit: Samples,
-    settings: PlannerSettings,
-    shrink_start: tuple[int, float] | None,
-) -> str | None:
-    """Why shrinking cannot meet the budget: at the smallest size, or after shrinks that hardly lowered the peak.
-
-    ``shrink_start`` is the (size, peak) where the current run of over-budget shrinks began.
-    """
-    smallest_size = unit.floor(settings)
-    if size <= smallest_size:
-        return _at_floor(size, peak, budget, unit)
-    if settings.pin_micro_batch_size or shrink_start is None:
-        return None
-    start, start_peak = shrink_start
-    if start < 2 * size:
-        return None  # a shrink to half or less tells what the micro-batch costs; a smaller one is noise-prone
-    per_sample = max(0.0, (start_peak - peak) / (start - size))
-    smallest = peak - per_sample * (size - smallest_size)
-    if smallest <= budget:
-        return None
-    texts = format_sizes(peak, budget, start_peak, smallest)
-    return (
-        f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}), and shrinking the micro-batch does"
-        f" not bring it down: from {start} to {size} {unit.counts} the peak went from {texts[2]} to {texts[0]}. At"
-        f" that rate even the smallest {unit.noun} ({smallest_size}) would peak at {texts[3]}:"
-        " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
-        f" {unit.noun} {size} rather than shrink for nothing (an out-of-memory error still shrinks it)." + _FIX
-    )
-
-
-_FIX = " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."
-
-
-def _at_floor(size: int, peak: float, budget: float, unit: Samples) -> str:
-    """Why shrinking cannot meet the budget at the smallest size, ``size`` (the planner then holds it)."""
-    peak_text, budget_text = format_sizes(peak, budget)
-    return (
-        f"The step's peak memory ({peak_text}) is over the budget ({budget_text}) even at the smallest"
-        f" {unit.noun} ({size}): most of the memory does not depend on the micro-batch, so shrinking cannot meet"
-        f" the budget. The planner keeps {unit.noun} {size} {unit.counts} (an out-of-memory error still shrinks it)."
-        + _FIX
-    )
-
-
-def _out_of_memory(
-    size: int,
-    step: int,
-    unit: Samples,
-    settings: PlannerSettings,
-    budget: float | None,
-    last: tuple[float | None, int | None],
-    model: PeakModel,
-) -> MicroBatchOOMError:
-    """The error for an OOM at ``min_size``, with every figure the planner has; ``last`` is the last (peak, size)."""
-    last_peak, last_size = last
-    figures = [f"budget {format_size(budget)}" if budget is not None else "no budget set"]
-    if last_peak is not None:
-        figures.append(f"last measured peak {format_size(last_peak)} at size {last_size}")
-    if model.fitted():
-        figures.append(
-            f"memory model: {format_size(model.fixed_bytes or 0.0)} fixed"
-            f" + {format_size(model.per_sample_bytes or 0.0)} per {unit.counts[:-1]}"
-        )
-    if isinstance(unit, Tokens):
-        floor = (
-            f"the step's longest sequence has {unit.floor(settings)} tokens and runs in a micro-batch of its own, so"
-            " shrinking the token budget cannot help it"
-        )
-        fix = " or shorter sequences (`max_length` when tokenizing)."
-    else:
-        floor = f"`min_micro_batch_size` is {settings.min_micro_batch_size}, so the planner cannot shrink further"
-        fix = " or `min_micro_batch_size`."
-    return MicroBatchOOMError(
-        f"Out of memory at {unit.noun} {size} at step {step}, and {floor} ({'; '.join(figures)}). Lower the"
-        f" memory per {unit.counts[:-1]} (mixed precision, activation checkpointing), the fixed memory (a sharded"
-        " strategy, a smaller optimizer state)," + fix,
-        micro_batch_size=size,
-        step=step,
-        budget_bytes=budget,
-        last_peak_bytes=last_peak,
-        fixed_bytes=model.fixed_bytes,
-        per_sample_bytes=model.per_sample_bytes,
-    )
-
-
-def _optional(convert: Callable[[Any], _T], value: Any) -> _T | None:
-    return None if value is None else convert(value)
-
-
-@dataclass
-class SimulationResult:
-    """What `simulate` saw: the size of each step, the steps that hit an OOM, the events, the budget out of reach.
-
-    ``unreachable_steps`` are the steps after which the planner said the budget is out of reach
-    (`MicroBatchPlanner.budget_unreachable`).
-    """
-
-    sizes: list[int] = field(default_factory=list)
-    oom_steps: list[int] = field(default_factory=list)
-    events: list[PlannerEvent] = field(default_factory=list)
-    unreachable_steps: list[int] = field(default_factory=list)
-
-    @property
-    def ooms(self) -> int:
-        return len(self.oom_steps)
-
-    @property
-    def final_size(self) -> int:
-        return self.sizes[-1]
-
-    @property
-    def settled_at(self) -> int:
-        """The first step from which the size never changed again."""
-        step = len(self.sizes) - 1
-        while step > 0 and self.sizes[step - 1] == self.sizes[-1]:
-            step -= 1
-        return step
-
-    @property
-    def ooms_to_settle(self) -> int:
-        """OOMs up to and including `settled_at`."""
-        return sum(1 for s in self.oom_steps if s <= self.settled_at)
-
-
-def simulate(
-    planner: MicroBatchPlanner,
-    *,
-    step_batch_size: int,
-    steps: int,
-    peak_bytes: Callable[[int, int], float],
-    capacity_bytes: float,
-    first_step: int = 0,
-) -> SimulationResult:
-    """Run ``planner`` against a synthetic device: ``peak_bytes(step, b)`` above ``capacity_bytes`` is an OOM.
-
-    Each step asks for a size, retries it with the planner's answer while it would run out of memory (as split mode
-    does), then reports the peak. Steps are numbered from ``first_step``, e.g. to continue after a resume.
-
-    Examples:
-        Peak ``2 + 0.25 b`` GiB on a 16 GiB device with a 14.4 GiB budget and a 256-sample step batch:
-
-        >>> from lightning_accum.memory.budget import GIB
-        >>> def run(predictive):
-        ...     planner = MicroBatchPlanner(budget_bytes=14.4 * GIB, predictive=predictive)
-        ...     return simulate(planner, step_batch_size=256, steps=400, capacity_bytes=16 * GIB,
-        ...                     peak_bytes=lambda step, b: (2 + 0.25 * b) * GIB)
-        >>> predictive, halving = run(True), run(False)
-        >>> predictive.ooms, predictive.final_size, halving.ooms, halving.final_size
-        (3, 43, 4, 32)
-    """
-    result = SimulationResult()
-    for step in range(first_step, first_step + steps):
-        size = planner.size_for(step_batch_size)
-        while peak_bytes(step, size) > capacity_bytes:
-            result.oom_steps.append(step)
-            size = planner.on_oom(size, step)
-        planner.on_step(size, peak_bytes(step, size), step)
-        result.sizes.append(size)
-        if planner.budget_unreachable is not None:
-            result.unreachable_steps.append(step)
-    result.events.extend(planner.take_events())
-    return result

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.split.planner import MicroBatchOOMError
+from lightning_accum.split.planner_messages import MicroBatchOOMError
 from tests.helpers import (
     FP32,
     TokenDataset,
