@@ -29,7 +29,7 @@ from lightning_accum._cli_types import (
     PositiveInt,
 )
 from lightning_accum._validation import check_bool, check_choice
-from lightning_accum.callbacks._owner import AccumulationOwner, log_info
+from lightning_accum.callbacks._owner import AccumulationOwner, log, log_info
 from lightning_accum.distributed import max_across_ranks
 from lightning_accum.engine import ClosedWindow
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
@@ -306,9 +306,11 @@ class AutoMicroBatching(AccumulationOwner):
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
 
-    def _recovered_from_oom(self, size: int, detail: str) -> None:
+    def _recovered_from_oom(self, size: int, detail: str, here: bool) -> None:
         self.oom_retries += 1
-        log_info(f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step")
+        message = f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step"
+        # Rank 0 speaks for every rank; a rank that ran out of memory also says so, with its own error.
+        (log.info if here else log_info)(message)
         self._take_planner_events()
 
     @override
