@@ -4,6 +4,7 @@ rank (issue 21, item 3). The runs reuse `tests.test_fsdp2`'s torchrun-style laun
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any
 
@@ -53,10 +54,24 @@ class ShardedCausalLM(TinyCausalLM):
         self.step_indices.append(self._indices)
 
 
+class _Messages(logging.Handler):
+    """What `lightning_accum` logged in this process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+MESSAGES = _Messages()
+
+
 class _Save(SavedTokenRun):
     def record(self, pl_module: ShardedCausalLM) -> dict[str, Any]:
         sharded = all(isinstance(p, DTensor) for p in pl_module.parameters())
-        return {"unsynced": pl_module.unsynced, "sharded": sharded}
+        return {"unsynced": pl_module.unsynced, "sharded": sharded, "log": MESSAGES.messages}
 
 
 def _per_rank() -> list[list[list[int]]]:
@@ -65,6 +80,7 @@ def _per_rank() -> list[list[list[int]]]:
 
 def _worker(rank: int, port: int, out_dir: str, faults: list[OOMFault]) -> None:
     _, strategy = start_worker(rank, port)
+    logging.getLogger("lightning_accum").addHandler(MESSAGES)
     callback = pinned_token_callback(faults)
     trainer = h.make_trainer(
         out_dir, [callback, _Save(out_dir)], strategy=strategy, devices=WORLD_SIZE, use_distributed_sampler=False
@@ -84,9 +100,14 @@ def run(out_dir: Any, faults: list[OOMFault]) -> list[dict[str, Any]]:
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
 
 
-def test_token_split_under_fsdp2_is_exact_with_uneven_lengths_and_an_oom_on_one_rank(tmp_path):
-    faults = [OOMFault(step=1, micro_batch=0, phase="forward", rank=1)]
-    ranks = run(tmp_path, faults)
+@pytest.fixture(scope="module")
+def oom_on_rank_1(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One run, for the tests below: at step 1, rank 1's first forward runs out of memory."""
+    return run(tmp_path_factory.mktemp("oom"), [OOMFault(step=1, micro_batch=0, phase="forward", rank=1)])
+
+
+def test_token_split_under_fsdp2_is_exact_with_uneven_lengths_and_an_oom_on_one_rank(oom_on_rank_1):
+    ranks = oom_on_rank_1
     assert all(r["sharded"] for r in ranks)
     assert ranks[1]["fired"] and not ranks[0]["fired"] and [r["oom_retries"] for r in ranks] == [1, 1]
     assert len(ranks[0]["shapes"]) > len(ranks[1]["shapes"]) + 3  # long sequences: more micro-batches
@@ -97,3 +118,11 @@ def test_token_split_under_fsdp2_is_exact_with_uneven_lengths_and_an_oom_on_one_
     expected = full_batch_reference(copy.deepcopy(ShardedCausalLM()), dataset, windows, lr=LR)
     h.assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
     h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+
+
+def test_every_rank_names_the_rank_that_ran_out_of_memory(oom_on_rank_1):
+    # Rank 0 speaks for the run, and rank 1, which ran out of memory, says so too, with its own error.
+    ooms = [[m for m in r["log"] if m.startswith("lightning_accum: OOM at")] for r in oom_on_rank_1]
+    assert ooms[0] == ["lightning_accum: OOM at token budget 48 (on rank 1); retrying the step"], ooms
+    assert len(ooms[1]) == 1 and ooms[1][0].startswith("lightning_accum: OOM at token budget 48 (on rank 1: "), ooms
+    assert "can't allocate memory" in ooms[1][0] or "out of memory" in ooms[1][0], ooms

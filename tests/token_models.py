@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -106,13 +106,17 @@ class TinyCausalLM(pl.LightningModule):
 
 
 def full_batch_reference(
-    initial: TinyCausalLM, dataset: TokenSequences, steps: Sequence[Sequence[int]], lr: float
+    initial: TinyCausalLM,
+    dataset: TokenSequences,
+    steps: Sequence[Sequence[int]],
+    lr: float,
+    collate: Callable[[list[dict[str, Tensor]]], dict[str, Tensor]] = pad_right,
 ) -> list[dict[str, Tensor]]:
-    """The exact gradients along the run: each step's samples in one padded batch, one pass, then plain SGD."""
+    """The exact gradients along the run: each step's samples in one padded batch (``collate``), one pass, then SGD."""
     model = copy.deepcopy(initial)
     grads = []
     for indices in steps:
-        batch = pad_right([dataset[i] for i in indices])
+        batch = collate([dataset[i] for i in indices])
         model.zero_grad(set_to_none=True)
         model.loss(batch).backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -223,6 +223,21 @@ def unsynced_gradients(module: Any, parameters: list[Tensor]) -> list[Tensor]:
     return plain + held
 
 
+def fsdp2_unsharded_params(module: Any) -> list[Tensor]:
+    """FSDP2's unsharded parameters in ``module`` (``FSDPParam._unsharded_param``, once it was unsharded).
+
+    While a split-mode step keeps the modules unsharded they are the module's own parameters, and autograd adds each
+    backward's gradients to them; empty without FSDP2.
+    """
+    found = (
+        getattr(fsdp_param, "_unsharded_param", None)
+        for fsdp_module in fsdp2_modules(module)
+        for group in _param_groups(fsdp_module._get_fsdp_state())
+        for fsdp_param in group.fsdp_params
+    )
+    return [p for p in found if p is not None]
+
+
 def fsdp2_unsynced_state(module: Any) -> list[str]:
     """What FSDP2 holds back in ``module`` right now: modules with gradient sync off, unsharded gradients left over.
 

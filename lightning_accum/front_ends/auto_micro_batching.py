@@ -33,7 +33,7 @@ from lightning_accum._util.validation import check_bool, check_choice
 from lightning_accum.core.engine import ClosedWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent
-from lightning_accum.front_ends._owner import AccumulationOwner, log_info
+from lightning_accum.front_ends._owner import AccumulationOwner, log, log_info
 from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
@@ -309,9 +309,11 @@ class AutoMicroBatching(AccumulationOwner):
         self._backend.reset_peak()
         self._retries_at_start = self._backend.alloc_retries()
 
-    def _recovered_from_oom(self, size: int, detail: str) -> None:
+    def _recovered_from_oom(self, size: int, detail: str, here: bool) -> None:
         self.oom_retries += 1
-        log_info(f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step")
+        message = f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step"
+        # Rank 0 speaks for every rank; a rank that ran out of memory also says so, with its own error.
+        (log.info if here else log_info)(message)
         self._take_planner_events()
 
     @override

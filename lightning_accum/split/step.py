@@ -56,6 +56,7 @@ class Agreement(NamedTuple):
     step_batch_size: int  # the largest step over ranks in the planner's unit (samples, or tokens), likewise
     longest: int  # the longest sequence over ranks (by tokens; 0 by samples), likewise
     used: list[bool] | None  # per parameter, whether any rank produced a gradient (`SyncPolicy.carries_used_flags`)
+    faults: list[Fault]  # each rank's own fault, by rank: which ranks ran out of memory, or failed otherwise
 
 
 class AgreedFigures(NamedTuple):
@@ -93,7 +94,9 @@ class SplitStepRunner:
         policy: how gradients are held back and synced (`lightning_accum.split.sync`).
         logs: combines the ``self.log`` calls of a step's micro-batches.
         backend: the device's memory backend (its peak is reset for a retry).
-        on_oom: called on every rank after the planner shrank for an OOM (counts it, reports the planner's events).
+        on_oom: called on every rank after the planner shrank for an OOM (counts it, reports the planner's events),
+            with the agreed size, the OOM's detail (the ranks that ran out of memory, and this rank's own error) and
+            whether this rank ran out of memory.
         fault_injector: raises simulated OOMs at chosen points, for tests.
     """
 
@@ -105,7 +108,7 @@ class SplitStepRunner:
         policy: SyncPolicy,
         logs: StepLogCombiner,
         backend: MemoryBackend,
-        on_oom: Callable[[int, str], None],
+        on_oom: Callable[[int, str, bool], None],
         fault_injector: OOMInjector | None = None,
         sequences: PaddedSequences | None = None,
     ) -> None:
@@ -163,15 +166,18 @@ class SplitStepRunner:
     def agree(self, fault: Fault) -> Agreement:
         """The worst fault, and the largest micro-batch and step batch over all ranks: one small all-reduce.
 
-        Every call at the same point of the protocol sends as many values on every rank, whatever the fault.
+        Every call at the same point of the protocol sends as many values on every rank, whatever the fault: one per
+        rank among them, where only this rank's own slot holds its fault, so that every rank learns whose it was.
         """
         trainer = self.trainer
         params = trainer.lightning_module.parameters() if self.policy.carries_used_flags else ()
         flags = [int(p.grad is not None) for p in params if p.requires_grad]
         longest = self.cut.longest if self.cut is not None else 0
-        local = [int(fault), self.size, self.step_size, longest, *flags]
-        if trainer.world_size <= 1:
-            return Agreement(fault, self.size, self.step_size, longest, None)
+        world, rank = trainer.world_size, trainer.global_rank
+        if world <= 1:
+            return Agreement(fault, self.size, self.step_size, longest, None, [fault])
+        by_rank = [int(fault) if r == rank else 0 for r in range(world)]
+        local = [int(fault), self.size, self.step_size, longest, *by_rank, *flags]
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         try:
             values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
@@ -181,8 +187,9 @@ class SplitStepRunner:
                 f" {self.size}) failed: {describe_error(err)}. Another rank most likely stopped (its process exited"
                 " or crashed) while this one waited for it; that rank's traceback says why."
             ) from err
-        used = [bool(v) for v in values[4:]] if self.policy.carries_used_flags else None
-        return Agreement(Fault(values[0]), values[1], values[2], values[3], used)
+        faults = [Fault(v) for v in values[4 : 4 + world]]
+        used = [bool(v) for v in values[4 + world :]] if self.policy.carries_used_flags else None
+        return Agreement(Fault(values[0]), values[1], values[2], values[3], used, faults)
 
     def _agreed_attempt(self, context: _compat.SplitStepContext) -> tuple[Any, Agreement, str]:
         """One attempt at the step, and what all ranks agreed on: ``(outcome, agreement, OOM detail)``.
@@ -214,11 +221,12 @@ class SplitStepRunner:
         if agreed is None:
             agreed = self._agreed if self._agreed is not None else self.agree(fault)
         if agreed.fault == Fault.OTHER:
+            failed = _ranks_text([r for r, f in enumerate(agreed.faults) if f == Fault.OTHER])
             raise RuntimeError(
                 "Another rank failed with an error that is not an out-of-memory error; this rank stops too."
-                " See that rank's traceback."
+                f" See the traceback of {failed}."
             )
-        return outcome, agreed, detail or "on another rank"
+        return outcome, agreed, detail
 
     def _recover(self, context: _compat.SplitStepContext, detail: str, agreed: Agreement) -> None:
         """Shrink (on every rank alike) and make the retry start from a clean slate.
@@ -229,7 +237,7 @@ class SplitStepRunner:
         self.planner.set_step_batch_size(agreed.step_batch_size)
         self.planner.unit.set_longest(agreed.longest)
         self.planner.on_oom(agreed.micro_batch_size, self.trainer.global_step)  # raises at the minimum, everywhere
-        self.on_oom(agreed.micro_batch_size, detail)
+        self.on_oom(agreed.micro_batch_size, *_oom_detail(agreed.faults, self.trainer.global_rank, detail))
         # The failed attempt's graph died with its frame. Every rank starts the retry alike: no gradients, no cached
         # blocks, and a peak that measures the retry alone (the failed attempt's peak, credited to the smaller size,
         # would make the planner shrink a second time).
@@ -295,9 +303,7 @@ class SplitStepRunner:
     def _synced_backward(self, context: _compat.SplitStepContext, loss: Tensor, empty: bool) -> None:
         """Agree that every rank finished its forwards, then run the backward that syncs."""
         trainer = self.trainer
-        self.policy.check_last_micro_batch(
-            trainer.global_step, trainer.global_rank, empty, context.backward is not None
-        )
+        self.policy.check_last_micro_batch(trainer.global_step, trainer.global_rank, loss, context.backward is not None)
         agreed = self.agree(Fault.NONE)
         if agreed.fault != Fault.NONE:
             raise _PeerFault(agreed)
@@ -337,6 +343,44 @@ def _step_batch_size(context: _compat.SplitStepContext, engine: AccumulationEngi
             " last batch can end up empty, `DataLoader(drop_last=True)` drops it."
         )
     return size
+
+
+def _oom_detail(faults: list[Fault], rank: int, error: str) -> tuple[str, bool]:
+    """What every rank says of an OOM: which ranks ran out of memory, and this rank's own error; and whether it did.
+
+    Examples:
+        >>> _oom_detail([Fault.NONE, Fault.OOM], 0, "")
+        ('on rank 1', False)
+        >>> _oom_detail([Fault.NONE, Fault.OOM], 1, "CUDA out of memory")
+        ('on rank 1: CUDA out of memory', True)
+        >>> _oom_detail([Fault.OOM, Fault.OOM, Fault.NONE], 1, "CUDA out of memory")
+        ('on ranks 0 and 1; rank 1: CUDA out of memory', True)
+        >>> _oom_detail([Fault.OOM], 0, "CUDA out of memory")  # one device: no rank to name
+        ('CUDA out of memory', True)
+    """
+    if len(faults) <= 1:
+        return error, True
+    ranks = [r for r, fault in enumerate(faults) if fault == Fault.OOM]
+    here = rank in ranks
+    if not here:
+        return f"on {_ranks_text(ranks)}", False
+    return (f"on rank {rank}: {error}" if ranks == [rank] else f"on {_ranks_text(ranks)}; rank {rank}: {error}"), True
+
+
+def _ranks_text(ranks: list[int], shown: int = 8) -> str:
+    """``rank 1``, ``ranks 0 and 3``, ``ranks 0, 2 and 5``; past ``shown`` ranks, the first ones and how many.
+
+    Examples:
+        >>> _ranks_text(list(range(12)))
+        '12 ranks (0, 1, 2, 3, 4, 5, 6, 7, ...)'
+    """
+    if not ranks:
+        return "another rank"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > shown:
+        return f"{len(ranks)} ranks ({', '.join(map(str, ranks[:shown]))}, ...)"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 def _is_zero(counts: list[Any]) -> list[bool]:

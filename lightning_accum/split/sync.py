@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accum import _compat
+from lightning_accum._compat.fsdp2 import fsdp2_unsharded_params
 from lightning_accum._util.distributed import all_reduce_gradients
 from lightning_accum.memory.oom import describe_error, is_oom_error
 
@@ -76,7 +77,7 @@ class SyncPolicy:
         """Around every forward, and every backward that must not sync."""
         return contextlib.nullcontext()
 
-    def check_last_micro_batch(self, step: int, rank: int, empty: bool, backward: bool) -> None:
+    def check_last_micro_batch(self, step: int, rank: int, loss: Tensor, backward: bool) -> None:
         """Before the agreement that precedes the synced backward: refuse what would leave a rank out of the sync."""
 
     def synced_backward(self, backward: Callable[[Tensor], None], loss: Tensor, empty: bool, params: Any) -> None:
@@ -199,23 +200,46 @@ class FSDP2(DDPOverlap):
         with self.strategy.block_backward_sync(), _compat.no_fsdp2_gradient_sync(model, self._modules):
             yield
 
-    def check_last_micro_batch(self, step: int, rank: int, empty: bool, backward: bool) -> None:
-        if empty and backward:
-            # A zero loss over the sharded parameters would skip FSDP2's hooks, and this rank would miss the
-            # reduce-scatter the others wait in; raised before the agreement, which then stops every rank.
+    def check_last_micro_batch(self, step: int, rank: int, loss: Tensor, backward: bool) -> None:
+        if backward and not loss.requires_grad:
+            # Its backward would raise on this rank alone, and the others would wait in the reduce-scatter; raised
+            # before the agreement, which then stops every rank.
             raise RuntimeError(
-                f"The last micro-batch of step {step} holds no items on rank {rank}, which `AutoMicroBatching`"
-                " cannot back-propagate under FSDP2 (its loss is a mean over nothing). Make every step batch hold"
-                " items in its last samples, or use a `count_items` that counts samples."
+                f"The loss of the last micro-batch of step {step} on rank {rank} does not require grad, so its"
+                " backward cannot join FSDP2's reduce-scatter. Return a loss computed by the model in"
+                " `training_step` (also for a micro-batch without items: `AutoMicroBatching` weights it by 0)."
             )
 
     def synced_backward(self, backward: Callable[[Tensor], None], loss: Tensor, empty: bool, params: Any) -> None:
-        backward(loss)
+        if not empty:
+            backward(loss)
+            return
+        # A micro-batch without items contributes nothing, but its loss is a mean over nothing (NaN), NaN * 0 is NaN,
+        # and even a zero upstream gradient through a mean's backward is 0 / 0. Its backward still runs through the
+        # forward's graph, so that FSDP2's hooks fire and this rank joins the reduce-scatter the others wait in, and
+        # every parameter's gradient from it is replaced by zeros before autograd adds it to the gradient held back.
+        with _zero_gradients([*params, *fsdp2_unsharded_params(self.strategy.model)]):
+            backward(loss)
 
     def discard(self, zero_grad: Callable[[], None]) -> None:
         zero_grad()
         # FSDP2 keeps the unsynced micro-batches' gradients unsharded, where `zero_grad` doesn't reach.
         _compat.discard_fsdp2_unsharded_grads(self.strategy.model)
+
+
+@contextlib.contextmanager
+def _zero_gradients(params: Sequence[Tensor]) -> Iterator[None]:
+    """Inside the block, a backward adds zeros to each of ``params``' gradients, whatever autograd computed for it."""
+    handles, seen = [], set()
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            handles.append(p.register_hook(torch.zeros_like))  # a leaf's hook runs before the gradient is accumulated
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def resolve_gradient_sync(strategy: Any, given: GradientSync | None) -> GradientSync:
