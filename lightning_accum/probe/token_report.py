@@ -177,6 +177,14 @@ def _micro_batches(count: int) -> str:
 # ---- the snippet ----------------------------------------------------------------------------------------------------
 
 
+# Split by tokens, micro-batches hold very different numbers of tokens: a token-mean loss needs them counted.
+COUNT_TOKENS = 'CountTokens("labels", shift=1)'
+_COUNT_TOKENS_WHY = (
+    "the loss-bearing tokens, so the step's update is its token mean; shift 1 for a model that shifts its labels"
+    " inside (Hugging Face causal LMs), 0 for labels shifted in the data"
+)
+
+
 def snippet(result: TokenProbeResult) -> str | None:
     """``AutoMicroBatching`` in tokens at the fitting budget, in Python and as LightningCLI YAML, or ``None``."""
     tokens = result.fitting_micro_batch_tokens
@@ -195,9 +203,12 @@ def snippet(result: TokenProbeResult) -> str | None:
     return "\n".join(
         [
             *too_long,
+            "from lightning_accum.items import CountTokens",
             "from lightning_accum.sequences import PaddedSequences",
             f"AutoMicroBatching(sequences=PaddedSequences({python_args}), micro_batch_tokens={tokens},"
-            f" max_memory={budget!r})  # with a DataLoader batch_size of {result.batch_size}",
+            f" max_memory={budget!r}, count_items={COUNT_TOKENS})  # with a DataLoader batch_size of"
+            f" {result.batch_size}",
+            f"# count_items: {_COUNT_TOKENS_WHY}",
             "# or in a LightningCLI config:",
             "trainer:",
             "  callbacks:",
@@ -209,6 +220,11 @@ def snippet(result: TokenProbeResult) -> str | None:
             *yaml_args,
             f"        micro_batch_tokens: {tokens}  # where it starts; it adapts to the measured peak from there",
             f"        max_memory: {budget}",
+            f"        count_items:  # {_COUNT_TOKENS_WHY}",
+            "          class_path: lightning_accum.items.CountTokens",
+            "          init_args:",
+            "            key: labels",
+            "            shift: 1",
             "data:",
             f"  batch_size: {result.batch_size}  # the whole per-device step batch, in sequences",
         ]

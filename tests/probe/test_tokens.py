@@ -14,19 +14,22 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from lightning.pytorch.cli import LightningCLI
 
 from lightning_accum import AutoMicroBatching
+from lightning_accum.items import CountTokens
 from lightning_accum.probe import measure
 from lightning_accum.probe.measure import _Where
 from lightning_accum.probe.resolve import module_factory
 from lightning_accum.probe.token_result import TokenMeasurement
 from lightning_accum.probe.tokens import _micro_batches, _plan, probe_tokens
 from lightning_accum.sequences import PaddedSequences
-from tests.probe.models import TokenLM, token_batch
+from tests.probe.models import RegressionData, TokenLM, token_batch
 from tests.test_token_split import cheapest_cut
 
 KiB, MiB = 2**10, 2**20
 LENGTHS = [64, 40, 30, 20, 12, 10, 8, 5]  # the step batch's real lengths, padded to 64
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 GRID = {"batch_size": 8, "sequence_lengths": (16, 32, 64), "fit_micro_batch_sizes": (1, 2, 4)}
 
 
@@ -138,7 +141,8 @@ def test_one_length_cannot_separate_the_terms_and_says_so():
     assert any("cannot be told from the T term" in line and "two or more" in line for line in result.findings())
 
 
-def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eager):
+def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eager, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["probe"])  # LightningCLI warns when pytest's own argv would mix with `args`
     python, _, config = eager.snippet().partition("# or in a LightningCLI config:\n")
     namespace: dict = {"AutoMicroBatching": AutoMicroBatching}
     exec(python.replace("AutoMicroBatching(", "callback = AutoMicroBatching(", 1), namespace)
@@ -147,11 +151,22 @@ def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eag
     parsed = parser.parse_object({"callbacks": yaml.safe_load(config)["trainer"]["callbacks"]})
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
     from_yaml = instantiate(parsed).callbacks[0]
-    for callback in (namespace["callback"], from_yaml):
+    # The whole config through a real LightningCLI, as a user pastes it.
+    cli = LightningCLI(
+        TokenLM,
+        RegressionData,
+        run=False,
+        args={**yaml.safe_load(config), "trainer": {**yaml.safe_load(config)["trainer"], **QUIET}},
+        save_config_callback=None,
+    )
+    (from_cli,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    for callback in (namespace["callback"], from_yaml, from_cli):
         assert callback.sequences == PaddedSequences(mask="attention_mask")
         assert callback.planner.micro_batch_size_setting == eager.fitting_micro_batch_tokens
         assert callback.max_memory == MiB
-    assert yaml.safe_load(config)["data"] == {"batch_size": 8}
+        # Split by tokens, a token-mean loss needs the tokens counted (the sample default warns at setup).
+        assert callback.count_items == CountTokens("labels", shift=1)
+    assert yaml.safe_load(config)["data"] == {"batch_size": 8} and cli.datamodule.batch_size == 8
 
 
 def test_the_json_is_in_bytes(eager):
