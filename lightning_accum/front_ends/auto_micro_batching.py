@@ -196,6 +196,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._retries_at_start = 0
         self._warned_unreachable = self._size_shrunk = False
         self._decided: list[PlannerEvent] = []  # the last step's shrink or grow, logged when the next step starts
+        self._warned_sample_count = False  # `_SAMPLE_COUNT_BY_TOKENS`, once per callback
         self._capacity_bytes = 0
         self._closed: ClosedWindow | None = None
         self._cold = False  # the first step of a run that has not chosen a size yet
@@ -215,6 +216,10 @@ class AutoMicroBatching(AccumulationOwner):
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
+        if self.sequences is not None and self.count_items is None and self.loss_reduction == "mean":
+            if not self._warned_sample_count:
+                self._warned_sample_count = True
+                rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=self.sequences))
         backend = getattr(strategy, "process_group_backend", None)
         warning = overlap_wait_warning(
             self.gradient_sync, trainer.world_size, backend, _compat.process_group_timeout(strategy)
@@ -521,6 +526,18 @@ _ACCUMULATE_GRAD_BATCHES_CHANGED = (
     " `AutoMicroBatching` needs 1: in split mode each dataloader batch is one optimizer step. Remove whatever sets it"
     " (e.g. a `GradientAccumulationScheduler`), and make the dataloader yield larger step batches to grow the"
     " effective batch size."
+)
+
+# Split by tokens, micro-batches hold very different numbers of tokens: weighting each micro-batch's token mean by its
+# samples is the "mean of means" this package exists to fix, and it is silent (1.2x off on the run).
+_SAMPLE_COUNT_BY_TOKENS = (
+    "`count_items` is None (the default: each micro-batch counts its samples) with `sequences={sequences!r}`."
+    " Split by tokens, micro-batches hold very different numbers of tokens, so a loss that averages over tokens gets"
+    " an update that is not the full batch's. Count the loss-bearing tokens:"
+    ' `count_items=CountTokens("labels", shift=1)` (`from lightning_accum.items import CountTokens`; `shift=1` for a'
+    " model that shifts its labels inside, as Hugging Face causal LMs do, `shift=0` for labels already shifted), in"
+    " a LightningCLI config `count_items: {{class_path: lightning_accum.items.CountTokens, init_args: {{key: labels,"
+    " shift: 1}}}}`. If the loss is a mean over samples, pass `count_items=CountSamples()` to say so."
 )
 
 

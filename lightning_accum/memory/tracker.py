@@ -10,7 +10,9 @@ Torch ships a similar tool, ``torch.distributed._tools.mem_tracker.MemTracker``.
 small tracker we own is the steadier base.
 
 What is not seen: scratch memory an op allocates and frees inside its own kernel (cuBLAS workspaces, for example),
-and allocator caching or fragmentation. On CUDA, compare with ``torch.cuda.max_memory_allocated``.
+and allocator caching or fragmentation. On CUDA, compare with ``torch.cuda.max_memory_allocated``. Given a
+`lightning_accum.memory.backends.MemoryBackend`, the tracker also reads that backend's peak over each phase
+(`backend_phase_peaks`): on the CPU the process's peak resident set, what split mode's planner measures.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_accum._util.validation import check_int
+from lightning_accum.memory.backends import MemoryBackend
 
 Category = Literal["parameters", "gradients", "optimizer_state", "activations"]
 CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_state", "activations")
@@ -82,6 +85,8 @@ class MemoryTracker(TorchDispatchMode):
         device: count only storage on this device type (``"cpu"``, ``"cuda"``); ``None`` counts every device.
         block_bytes: count each storage rounded up to a multiple of this, as an allocator does: 512 predicts
             ``torch.cuda.memory_allocated`` (the caching allocator's block size); 1 counts exact bytes.
+        backend: also read this backend's peak within each phase (`backend_phase_peaks`); its peak is reset at
+            every phase boundary, so nothing else should read or reset it meanwhile.
 
     Raises:
         TypeError: if ``module`` is not an ``nn.Module``, an optimizer is not a ``torch.optim.Optimizer``, or
@@ -112,6 +117,7 @@ class MemoryTracker(TorchDispatchMode):
         *,
         device: str | torch.device | None = None,
         block_bytes: int = 1,
+        backend: MemoryBackend | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's is unannotated
         self.block_bytes = check_int(block_bytes, "block_bytes", 1)
@@ -130,6 +136,9 @@ class MemoryTracker(TorchDispatchMode):
         self._peak = MemorySnapshot(0, dict.fromkeys(CATEGORIES, 0), "")
         self._phase_peaks: dict[str, int] = {}
         self._handles: list[Any] = []
+        self.backend = backend
+        self._phases: list[str] = []  # the phases entered and not yet left, innermost last
+        self._backend_phase_peaks: dict[str, int] = {}
 
     # ---- accounting -----------------------------------------------------------------------------------------------
 
@@ -243,10 +252,23 @@ class MemoryTracker(TorchDispatchMode):
         """Label what runs inside as ``name`` (e.g. ``"forward"``), so the peak says when it happened."""
         previous, self._phase = self._phase, name
         self._update_peak()  # what is live on entering belongs to the phase too
+        self._sample_backend()
+        self._phases.append(name)
         try:
             yield
         finally:
+            self._sample_backend()
+            self._phases.pop()
             self._phase = previous
+
+    def _sample_backend(self) -> None:
+        """Give the backend's peak since the last boundary to every phase entered, then start a new one."""
+        if self.backend is None:
+            return
+        peak = self.backend.peak_bytes()
+        for name in self._phases:
+            self._backend_phase_peaks[name] = max(self._backend_phase_peaks.get(name, 0), peak)
+        self.backend.reset_peak()
 
     @property
     def current(self) -> MemorySnapshot:
@@ -274,7 +296,23 @@ class MemoryTracker(TorchDispatchMode):
         """
         return dict(self._phase_peaks)
 
+    @property
+    def backend_phase_peaks(self) -> dict[str, int]:
+        """With a ``backend``, its peak within each phase since the tracker started or since `reset_peak`, else empty.
+
+        Examples:
+            >>> from lightning_accum.memory.backends import CPUBackend
+            >>> with MemoryTracker(backend=CPUBackend()) as tracker, tracker.phase("step"):
+            ...     x = torch.ones(1 << 20)
+            >>> tracker.backend_phase_peaks["step"] >= x.nbytes
+            True
+        """
+        return dict(self._backend_phase_peaks)
+
     def reset_peak(self) -> None:
         """Start a new peak from the current live bytes (e.g. after warm-up steps)."""
         self._peak = self.current
         self._phase_peaks = {self._phase: self._total}
+        self._backend_phase_peaks = {}
+        if self.backend is not None:
+            self.backend.reset_peak()

@@ -24,6 +24,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_accum._util.validation import check_int
+from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget, Target
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
@@ -302,7 +303,16 @@ def _measure(
     # Batches are built before measuring, on the CPU, so the data pipeline's own memory stays out of the peak.
     batches = [make_batch(i * b, b) for _ in range(warmup_steps + steps) for i in range(k)]
     blocks = 1 if fake is None else fake.block_bytes
-    tracker = MemoryTracker(model, optimizers, device=where.device if fake is None else fake.device, block_bytes=blocks)
+    # On the CPU split mode's planner measures the process's peak resident set (`CPUBackend`), not live tensors: the
+    # probe reads the same backend over each phase, so that a budget can be fitted in the planner's own measure.
+    resident = CPUBackend() if fake is None and where.device.type == "cpu" else None
+    tracker = MemoryTracker(
+        model,
+        optimizers,
+        device=where.device if fake is None else fake.device,
+        block_bytes=blocks,
+        backend=resident,
+    )
     with _entered(fake), warnings.catch_warnings(), tracker:
         warnings.filterwarnings("ignore", message=r".*self\.log\(\).*")  # no Trainer on purpose
         for step in range(warmup_steps + steps):
@@ -312,15 +322,30 @@ def _measure(
             train_step(model, optimizers, micro_batches, tracker, _preparer(where, fake), _autocast(where), step * k)
     device_peak = _device_peak(where.device)
     peak = tracker.peak
-    phases: dict[str, int] = {}
-    for label, total in tracker.phase_peaks.items():  # "backward 2/4" -> "backward"
-        if label:
-            phases[label.split()[0]] = max(phases.get(label.split()[0], 0), total)
-    measurement = ProbeMeasurement(b, k, peak.total_bytes, dict(peak.by_category), peak.phase, device_peak, phases)
+    phases, resident_phases = _by_kind(tracker.phase_peaks), _by_kind(tracker.backend_phase_peaks)
+    measurement = ProbeMeasurement(
+        b,
+        k,
+        peak.total_bytes,
+        dict(peak.by_category),
+        peak.phase,
+        device_peak,
+        phases,
+        resident_phases if resident is not None else None,
+    )
     del model, optimizers, tracker
     if fake is None:
         gc.collect()
     return measurement, param_bytes, grad_bytes
+
+
+def _by_kind(peaks: Mapping[str, int]) -> dict[str, int]:
+    """Peaks per phase, ``"backward 2/4"`` and ``"backward 1/4"`` as one ``"backward"``."""
+    kinds: dict[str, int] = {}
+    for label, total in peaks.items():
+        if label:
+            kinds[label.split()[0]] = max(kinds.get(label.split()[0], 0), total)
+    return kinds
 
 
 def _build(
@@ -358,6 +383,8 @@ def _entered(fake: FakeTarget | None) -> Iterator[None]:
 
 def _release(device: torch.device) -> None:
     gc.collect()
+    if device.type == "cpu":  # the heap keeps what the last configuration freed resident, in the next one's peak
+        trim_cpu_heap()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -23,6 +23,8 @@ class ProbeMeasurement:
         device_peak_bytes: ``torch.cuda.max_memory_allocated`` over the measured steps on CUDA, else ``None``.
         phase_peak_bytes: the peak within each kind of phase: ``"forward"``, ``"backward"`` and ``"optimizer"``
             (e.g. the optimizer step's own peak, when the backward pass sets the overall one).
+        resident_phase_peak_bytes: on the CPU, the process's peak resident set within each kind of phase, as
+            split mode's planner measures memory there (`lightning_accum.memory.backends.CPUBackend`); else ``None``.
     """
 
     micro_batch_size: int
@@ -32,6 +34,7 @@ class ProbeMeasurement:
     peak_phase: str
     device_peak_bytes: int | None = None
     phase_peak_bytes: dict[str, int] = field(default_factory=dict)
+    resident_phase_peak_bytes: dict[str, int] | None = None
 
     @property
     def effective_batch_size(self) -> int:

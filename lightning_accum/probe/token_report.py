@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 def findings(result: TokenProbeResult) -> list[str]:
     """The fit, its check, the optimizer step, the token budget that fits and what it costs the step batch."""
     return [
+        *_measure_lines(result),
         *_fit_lines(result),
         *_check_lines(result),
         *_optimizer_lines(result),
@@ -53,15 +54,30 @@ def _sequences_text(count: int, length: int) -> str:
     return f"{count} sequence{'' if count == 1 else 's'} of {length}"
 
 
+def _measure_lines(result: TokenProbeResult) -> list[str]:
+    if result.measure != "resident set":
+        return []
+    worst = max(result.measurements, key=lambda m: m.planner_passes_bytes - m.passes_peak_bytes)
+    return [
+        "On the CPU `AutoMicroBatching` holds the process's peak resident set (VmHWM) to `max_memory`, not live"
+        " tensors; it also holds the interpreter, the libraries and heap pages that freed tensors left. The probe"
+        f" read it over each phase: up to {format_size(result.resident_overhead_bytes)} more than the live tensors"
+        f" (T={worst.tokens} at L={worst.length}: {format_size(worst.planner_passes_bytes)} resident against"
+        f" {format_size(worst.passes_peak_bytes)}), and the token budget below keeps that much of the budget free,"
+        " so that it is in the planner's own measure. A training process also holds what the probe does not (the"
+        " Trainer, the step batch, loggers); should that pass the budget, the planner shrinks from the first step."
+    ]
+
+
 def _fit_lines(result: TokenProbeResult) -> list[str]:
     fixed, a, c = result.coefficients
     per_length = ", ".join(per_unit(a + c * length) for length in result.lengths)
     lengths = ", ".join(str(length) for length in result.lengths)
     lines = [
-        f"Fitted peak of the forward and backward passes, for micro-batches of T padded tokens whose sequences are L"
-        f" long: {format_size(fixed)} + T x ({per_unit(a)} + {per_unit(c)} x L), that is {per_unit(a)} per token"
-        f" and {per_unit(c)} per token and position of length (attention's T x L term). Per token at"
-        f" L = {lengths}: {per_length}."
+        f"Fitted peak of the forward and backward passes (live tensors), for micro-batches of T padded tokens"
+        f" whose sequences are L long: {format_size(fixed)} + T x ({per_unit(a)} + {per_unit(c)} x L), that is"
+        f" {per_unit(a)} per token and {per_unit(c)} per token and position of length (attention's T x L term). Per"
+        f" token at L = {lengths}: {per_length}."
     ]
     if len(result.lengths) == 1:
         lines.append(
@@ -106,6 +122,8 @@ def _optimizer_lines(result: TokenProbeResult) -> list[str]:
 def _budget_text(result: TokenProbeResult) -> str:
     assert result.budget_bytes is not None
     kept = f", keeping {result.headroom:.0%} of it free" if result.headroom else ""
+    if result.resident_overhead_bytes:
+        kept += f"{' and' if kept else ', keeping'} {format_size(result.resident_overhead_bytes)} for the resident set"
     return f"a budget of {report._budget_text(result.budget_bytes)}{kept}"
 
 
@@ -177,6 +195,14 @@ def _micro_batches(count: int) -> str:
 # ---- the snippet ----------------------------------------------------------------------------------------------------
 
 
+# Split by tokens, micro-batches hold very different numbers of tokens: a token-mean loss needs them counted.
+COUNT_TOKENS = 'CountTokens("labels", shift=1)'
+_COUNT_TOKENS_WHY = (
+    "the loss-bearing tokens, so the step's update is its token mean; shift 1 for a model that shifts its labels"
+    " inside (Hugging Face causal LMs), 0 for labels shifted in the data"
+)
+
+
 def snippet(result: TokenProbeResult) -> str | None:
     """``AutoMicroBatching`` in tokens at the fitting budget, in Python and as LightningCLI YAML, or ``None``."""
     tokens = result.fitting_micro_batch_tokens
@@ -195,9 +221,12 @@ def snippet(result: TokenProbeResult) -> str | None:
     return "\n".join(
         [
             *too_long,
+            "from lightning_accum.items import CountTokens",
             "from lightning_accum.sequences import PaddedSequences",
             f"AutoMicroBatching(sequences=PaddedSequences({python_args}), micro_batch_tokens={tokens},"
-            f" max_memory={budget!r})  # with a DataLoader batch_size of {result.batch_size}",
+            f" max_memory={budget!r}, count_items={COUNT_TOKENS})  # with a DataLoader batch_size of"
+            f" {result.batch_size}",
+            f"# count_items: {_COUNT_TOKENS_WHY}",
             "# or in a LightningCLI config:",
             "trainer:",
             "  callbacks:",
@@ -209,6 +238,11 @@ def snippet(result: TokenProbeResult) -> str | None:
             *yaml_args,
             f"        micro_batch_tokens: {tokens}  # where it starts; it adapts to the measured peak from there",
             f"        max_memory: {budget}",
+            f"        count_items:  # {_COUNT_TOKENS_WHY}",
+            "          class_path: lightning_accum.items.CountTokens",
+            "          init_args:",
+            "            key: labels",
+            "            shift: 1",
             "data:",
             f"  batch_size: {result.batch_size}  # the whole per-device step batch, in sequences",
         ]
@@ -259,7 +293,9 @@ def table(result: TokenProbeResult) -> str:
     def cell(nbytes: float) -> str:
         return format_size(nbytes, unit).removesuffix(f" {unit}")
 
-    headers = ["L", "n", "T", "peak", "passes", "optim. step", "activ.", "peak phase", "fit pred.", "shape"]
+    resident = result.measure == "resident set"
+    headers = ["L", "n", "T", "peak", "passes", "optim. step", "activ.", "peak phase"]
+    headers += ["RSS passes", "RSS optim.", "fit pred.", "shape"] if resident else ["fit pred.", "shape"]
     rows = [
         [
             str(m.length),
@@ -270,6 +306,7 @@ def table(result: TokenProbeResult) -> str:
             cell(m.optimizer_peak_bytes),
             cell(m.breakdown.get("activations", 0)),
             m.peak_phase,
+            *([cell(m.planner_passes_bytes), cell(m.planner_optimizer_bytes)] if resident else []),
             cell(result.passes_bytes(m.tokens, m.length)),
             "held out" if (m.tokens, m.length) in held else "fitted",
         ]
@@ -281,7 +318,8 @@ def table(result: TokenProbeResult) -> str:
         f"{what} in {unit} on {result.device}, {result.precision}, by tokens ({result.sequences}): accumulating steps"
         f" of 2 micro-batches of n sequences trimmed to L positions, T = n x L padded tokens; step batch B="
         f"{result.batch_size} padded to {result.padded_length}; parameters {format_size(result.parameter_bytes)},"
-        f" one gradient copy {format_size(result.gradient_bytes)}.",
+        f" one gradient copy {format_size(result.gradient_bytes)}."
+        + (" RSS: the process's peak resident set, what the planner measures on the CPU." if resident else ""),
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
         *("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows),
         "",
@@ -320,10 +358,13 @@ def to_dict(result: TokenProbeResult) -> dict[str, Any]:
                 "breakdown": dict(m.breakdown),
                 "peak_phase": m.peak_phase,
                 "device_peak_bytes": m.device_peak_bytes,
+                "resident_passes_peak_bytes": m.resident_passes_peak_bytes,
+                "resident_optimizer_peak_bytes": m.resident_optimizer_peak_bytes,
             }
             for m in result.measurements
         ],
         "fit": {
+            "measure": result.measure,
             "fixed_bytes": fixed,
             "per_token_bytes": a,
             "per_token_length_bytes": c,
@@ -379,7 +420,11 @@ def plot(result: TokenProbeResult, path: str | Path) -> Path:
     error = (
         "" if result.holdout_error is None else f", held-out error {percent(result.holdout_error)} (hollow: held out)"
     )
-    ax.set(xlabel="padded tokens per micro-batch T", ylabel=f"peak of the passes ({unit})", title=f"peak(T, L){error}")
+    ax.set(
+        xlabel="padded tokens per micro-batch T",
+        ylabel=f"peak of the passes ({unit})",
+        title=f"peak(T, L){error}",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
@@ -392,8 +437,8 @@ def _plot_budget(ax: Any, result: TokenProbeResult, scale: int) -> None:
     if result.budget_bytes is None or result.usable_bytes is None:
         return
     ax.axhline(result.budget_bytes / scale, color="grey", ls="--", label=f"budget {format_size(result.budget_bytes)}")
-    if result.headroom:
-        ax.axhline(result.usable_bytes / scale, color="C3", ls="-.", label=f"less {result.headroom:.0%} kept free")
+    if result.headroom or result.resident_overhead_bytes:
+        ax.axhline(result.usable_bytes / scale, color="C3", ls="-.", label="less what is kept free")
     tokens = result.fitting_micro_batch_tokens
     if tokens is not None:
         ax.axvline(tokens, color="C2", ls=":", label=f"micro_batch_tokens={tokens} at L={result.recommended_length}")

@@ -26,6 +26,9 @@ class TokenMeasurement:
         breakdown: bytes per category at the overall peak.
         peak_phase: when the overall peak happened.
         device_peak_bytes: ``torch.cuda.max_memory_allocated`` on CUDA, else ``None``.
+        resident_passes_peak_bytes: on the CPU, the process's peak resident set within the passes, the measure split
+            mode's planner reads there (`lightning_accum.memory.backends.CPUBackend`); else ``None``.
+        resident_optimizer_peak_bytes: the same within the optimizer step.
     """
 
     length: int
@@ -36,16 +39,30 @@ class TokenMeasurement:
     breakdown: dict[str, int]
     peak_phase: str
     device_peak_bytes: int | None = None
+    resident_passes_peak_bytes: int | None = None
+    resident_optimizer_peak_bytes: int | None = None
 
     @property
     def tokens(self) -> int:
         """``T = n x L``, the padded tokens of one micro-batch."""
         return self.samples * self.length
 
+    @property
+    def planner_passes_bytes(self) -> int:
+        """The passes' peak in the planner's measure: the resident set on the CPU, else live tensors."""
+        resident = self.resident_passes_peak_bytes
+        return self.passes_peak_bytes if resident is None else resident
+
+    @property
+    def planner_optimizer_bytes(self) -> int:
+        """The optimizer step's peak in the planner's measure: the resident set on the CPU, else live tensors."""
+        resident = self.resident_optimizer_peak_bytes
+        return self.optimizer_peak_bytes if resident is None else resident
+
     @classmethod
     def of(cls, measured: ProbeMeasurement, length: int) -> TokenMeasurement:
         """From the sample probe's measurement of the same step, whose micro-batches were ``length`` long."""
-        phases = measured.phase_peak_bytes
+        phases, resident = measured.phase_peak_bytes, measured.resident_phase_peak_bytes
         return cls(
             length=length,
             samples=measured.micro_batch_size,
@@ -55,6 +72,10 @@ class TokenMeasurement:
             breakdown=dict(measured.breakdown),
             peak_phase=measured.peak_phase,
             device_peak_bytes=measured.device_peak_bytes,
+            resident_passes_peak_bytes=(
+                None if resident is None else max(resident.get("forward", 0), resident.get("backward", 0))
+            ),
+            resident_optimizer_peak_bytes=None if resident is None else resident.get("optimizer", 0),
         )
 
 
@@ -95,7 +116,8 @@ class TokenProbeResult:
     """What `lightning_accum.probe.tokens.probe_tokens` measured, the fitted ``peak(T, L)`` and the token budget.
 
     The step peaks at the larger of the optimizer step's peak and the passes' fitted
-    ``fixed + T (a + c L)`` (`predict`).
+    ``fixed + T (a + c L)`` (`predict`), in live tensors. On the CPU split mode's planner holds the process's peak
+    resident set to the budget (`measure`), so the budget that fits keeps `resident_overhead_bytes` of it free.
 
     Attributes:
         batch_size: the step batch, in sequences.
@@ -154,9 +176,26 @@ class TokenProbeResult:
         return fitting[-1] if fitting else self.lengths[-1]
 
     @property
+    def measure(self) -> str:
+        """What the planner holds to the budget here: ``"resident set"`` (measured on the CPU) or ``"live tensors"``."""
+        resident = all(m.resident_passes_peak_bytes is not None for m in self.measurements)
+        return "resident set" if resident and self.measurements else "live tensors"
+
+    @property
     def optimizer_peak_bytes(self) -> int:
         """The optimizer step's peak, which no micro-batch changes (the largest measured)."""
         return max(m.optimizer_peak_bytes for m in self.measurements)
+
+    @property
+    def resident_overhead_bytes(self) -> int:
+        """On the CPU, what the resident set held beyond the live tensors in the passes (the most over the shapes).
+
+        The planner holds the resident set to the budget there: the interpreter, the libraries and heap pages that
+        freed tensors left count too. ``0`` where the measure is live tensors (meta, CUDA).
+        """
+        if self.measure != "resident set":
+            return 0
+        return max(max(0, m.planner_passes_bytes - m.passes_peak_bytes) for m in self.measurements)
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -181,8 +220,10 @@ class TokenProbeResult:
 
     @property
     def usable_bytes(self) -> float | None:
-        """The budget less its `headroom`, or ``None`` without a budget."""
-        return None if self.budget_bytes is None else self.budget_bytes * (1 - self.headroom)
+        """The budget less its `headroom` and the `resident_overhead_bytes`, or ``None`` without a budget."""
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes * (1 - self.headroom) - self.resident_overhead_bytes
 
     def fitting_tokens_at(self, length: int) -> int | None:
         """The largest token budget (at most the step batch at ``length``) predicted to fit, or ``None``.

@@ -661,3 +661,60 @@ def test_overlap_under_nccl_with_a_long_timeout_is_warned_about(gradient_sync, w
     if warns:
         assert "(0:30:00)" in warning and "DDPStrategy(timeout=timedelta(minutes=5))" in warning
         assert "gradient_sync='deferred'" in warning
+
+
+# ---- split by tokens with the sample count ---------------------------------------------------------------------------
+
+
+def fit_by_tokens(tmp_path, fits=1, **kwargs):
+    """Fit a token-mean causal LM split by tokens (``fits`` fits, a Trainer each): its gradients, and the exact ones."""
+    from lightning_accum.sequences import PaddedSequences
+    from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
+
+    dataset = TokenSequences(lognormal_lengths(32, seed=2), seed=1)
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(), micro_batch_tokens=96, pin_micro_batch_size=True, **kwargs
+    )
+    for fit in range(fits):
+        model = TinyCausalLM(lr=0.1)
+        initial = copy.deepcopy(model)
+        trainer = make_trainer(tmp_path / str(fit), [callback])
+        trainer.fit(model, DataLoader(dataset, batch_size=16, collate_fn=pad_right))
+    return model.step_grads, full_batch_reference(initial, dataset, model.step_indices, lr=0.1)
+
+
+def test_split_by_tokens_with_the_sample_count_warns_once_and_is_off(tmp_path):
+    with pytest.warns(UserWarning, match=r"`count_items` is None .* with `sequences=PaddedSequences\(") as record:
+        grads, expected = fit_by_tokens(tmp_path, fits=2)
+    warned = [str(w.message) for w in record if "`count_items` is None" in str(w.message)]
+    assert len(warned) == 1, warned  # once, not once per fit
+    assert 'count_items=CountTokens("labels", shift=1)' in warned[0]
+    assert (
+        "count_items: {class_path: lightning_accum.items.CountTokens, init_args: {key: labels, shift: 1}}"
+        in (warned[0])
+    )
+    # What the warning is about: the micro-batches' token means weighted by their samples are not the step's mean.
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_grads_close(grads, expected, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"counter": "tokens"}, id="CountTokens"),
+        pytest.param({"counter": "samples"}, id="CountSamples: the user says samples"),
+        pytest.param({"loss_reduction": "sum"}, id="a summed loss: the count only scales it"),
+    ],
+)
+def test_split_by_tokens_with_a_counter_does_not_warn(tmp_path, kwargs):
+    from lightning_accum.items import CountSamples, CountTokens
+
+    counter = kwargs.pop("counter", None)
+    if counter is not None:
+        kwargs["count_items"] = CountTokens("labels", shift=1) if counter == "tokens" else CountSamples()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        grads, expected = fit_by_tokens(tmp_path, **kwargs)
+    assert not [w for w in record if "`count_items`" in str(w.message)]
+    if counter == "tokens":  # the fix the warning names is exact
+        assert_grads_close(grads, expected, rtol=1e-5, atol=1e-6)

@@ -110,3 +110,33 @@ def test_tracker_peak_per_phase():
     assert set(peaks) == {"", "forward", "backward", "optimizer"}
     assert peaks["optimizer"] >= 4 * weights  # parameters, gradients, exp_avg, exp_avg_sq
     assert max(peaks.values()) == tracker.peak.total_bytes
+
+
+class _ScriptedBackend:
+    """A memory backend whose peak since each reset is read from a script: the phases' boundaries are the readings."""
+
+    name = "cpu"
+
+    def __init__(self, peaks):
+        self.peaks, self.resets = list(peaks), 0
+
+    def reset_peak(self):
+        self.resets += 1
+
+    def peak_bytes(self):
+        return self.peaks.pop(0)
+
+
+def test_a_backend_is_read_over_each_phase_and_a_nested_phase_counts_for_the_outer_one_too():
+    # Before "step", in "step" before "inner", in "inner", in "step" after it, between the phases, in "after".
+    backend = _ScriptedBackend([5, 7, 30, 9, 1, 11])
+    with MemoryTracker(backend=backend) as tracker:
+        with tracker.phase("step"):
+            with tracker.phase("inner"):
+                pass
+        with tracker.phase("after"):
+            pass
+    # The readings outside every phase belong to none; "inner"'s 30 is also "step"'s peak.
+    assert tracker.backend_phase_peaks == {"step": 30, "inner": 30, "after": 11}
+    tracker.reset_peak()
+    assert tracker.backend_phase_peaks == {} and backend.resets == 7

@@ -291,18 +291,20 @@ TOKEN_GRID = ["--sequence-lengths", "8", "16", "32", "--fit-micro-batch-sizes", 
 
 def test_cli_answers_in_tokens_with_the_snippet(capsys, tmp_path, measuring):
     outcome = run_cli(
-        capsys, *TOKENS, "--sequences", *TOKEN_GRID, "--max-memory", "1MiB", "--output-dir", str(tmp_path)
-    )
+        capsys, *TOKENS, "--sequences", *TOKEN_GRID, "--max-memory", "1GiB", "--output-dir", str(tmp_path)
+    )  # on the CPU the budget holds the process's resident set, a few hundred MiB before any tensor
     assert outcome.code == 0, outcome
     assert outcome.out.startswith("Peak live tensor memory in KiB on cpu, 32-true, by tokens (PaddedSequences(mask=")
     assert "- Checked on held-out shapes: fitted on 5 of the shapes, the fit errs" in outcome.out
     assert "the largest token budget that fits sequences of L=32 is micro_batch_tokens=" in outcome.out
     assert (
-        "Ready to paste (split mode by tokens):\nfrom lightning_accum.sequences import PaddedSequences\n" in outcome.out
+        "Ready to paste (split mode by tokens):\nfrom lightning_accum.items import CountTokens\n"
+        "from lightning_accum.sequences import PaddedSequences\n" in outcome.out
     )
     assert "          class_path: lightning_accum.sequences.PaddedSequences\n" in outcome.out
     data = json.loads((tmp_path / "probe.json").read_text())
-    assert data["unit"] == "tokens" and data["budget_bytes"] == 2**20
+    assert data["unit"] == "tokens" and data["budget_bytes"] == 2**30
+    assert "- On the CPU `AutoMicroBatching` holds the process's peak resident set (VmHWM)" in outcome.out
     assert f"micro_batch_tokens={data['fitting_micro_batch_tokens']}," in outcome.out
     assert all(isinstance(m["passes_peak_bytes"], int) for m in data["measurements"])  # bytes, as numbers
     assert (tmp_path / "probe.png").stat().st_size > 10_000

@@ -14,19 +14,22 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from lightning.pytorch.cli import LightningCLI
 
 from lightning_accum import AutoMicroBatching
+from lightning_accum.items import CountTokens
 from lightning_accum.probe import measure
 from lightning_accum.probe.measure import _Where
 from lightning_accum.probe.resolve import module_factory
 from lightning_accum.probe.token_result import TokenMeasurement
 from lightning_accum.probe.tokens import _micro_batches, _plan, probe_tokens
 from lightning_accum.sequences import PaddedSequences
-from tests.probe.models import TokenLM, token_batch
+from tests.probe.models import RegressionData, TokenLM, token_batch
 from tests.test_token_split import cheapest_cut
 
 KiB, MiB = 2**10, 2**20
 LENGTHS = [64, 40, 30, 20, 12, 10, 8, 5]  # the step batch's real lengths, padded to 64
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 GRID = {"batch_size": 8, "sequence_lengths": (16, 32, 64), "fit_micro_batch_sizes": (1, 2, 4)}
 
 
@@ -34,14 +37,21 @@ def _data(seq_len: int = 64):
     return functools.partial(token_batch, seq_len=seq_len, lengths=LENGTHS)
 
 
+def _on_top_of_the_process(result):
+    """``result`` with a budget of 1 MiB of tensors beyond what the process's resident set holds without them."""
+    return dataclasses.replace(result, budget_bytes=MiB + result.resident_overhead_bytes)
+
+
 @pytest.fixture(scope="module")
 def eager():
-    return probe_tokens(TokenLM, _data(), **GRID, budget_bytes=MiB)
+    return _on_top_of_the_process(probe_tokens(TokenLM, _data(), **GRID, budget_bytes=MiB))
 
 
 @pytest.fixture(scope="module")
 def fused():
-    return probe_tokens(functools.partial(TokenLM, attention="sdpa"), _data(), **GRID, budget_bytes=MiB)
+    return _on_top_of_the_process(
+        probe_tokens(functools.partial(TokenLM, attention="sdpa"), _data(), **GRID, budget_bytes=MiB)
+    )
 
 
 def _measured_outside_the_grid(attention: str, length: int, samples: int, device: str = "cpu") -> TokenMeasurement:
@@ -107,10 +117,12 @@ def test_the_token_budget_is_the_largest_that_fits(eager):
 
 
 def test_budgets_that_fit_nothing_say_why(eager):
-    small = dataclasses.replace(eager, budget_bytes=eager.optimizer_peak_bytes - 1)
+    overhead = eager.resident_overhead_bytes
+    small = dataclasses.replace(eager, budget_bytes=eager.optimizer_peak_bytes - 1 + overhead)
     assert small.fitting_micro_batch_tokens is None and small.snippet() is None
     assert any("the optimizer step alone peaks at" in line for line in small.findings())
-    short = dataclasses.replace(eager, budget_bytes=eager.passes_bytes(64, 64) - 1)  # a sequence of 64 does not fit
+    # A sequence of 64 does not fit.
+    short = dataclasses.replace(eager, budget_bytes=eager.passes_bytes(64, 64) - 1 + overhead)
     assert short.fitting_tokens_at(64) is None and 32 <= short.longest_alone() < 64
     line = next(line for line in short.findings() if "not even one sequence of L=64 fits" in line)
     assert f"the longest sequence that fits alone has {short.longest_alone()} tokens" in line
@@ -138,7 +150,8 @@ def test_one_length_cannot_separate_the_terms_and_says_so():
     assert any("cannot be told from the T term" in line and "two or more" in line for line in result.findings())
 
 
-def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eager):
+def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eager, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["probe"])  # LightningCLI warns when pytest's own argv would mix with `args`
     python, _, config = eager.snippet().partition("# or in a LightningCLI config:\n")
     namespace: dict = {"AutoMicroBatching": AutoMicroBatching}
     exec(python.replace("AutoMicroBatching(", "callback = AutoMicroBatching(", 1), namespace)
@@ -147,11 +160,22 @@ def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eag
     parsed = parser.parse_object({"callbacks": yaml.safe_load(config)["trainer"]["callbacks"]})
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
     from_yaml = instantiate(parsed).callbacks[0]
-    for callback in (namespace["callback"], from_yaml):
+    # The whole config through a real LightningCLI, as a user pastes it.
+    cli = LightningCLI(
+        TokenLM,
+        RegressionData,
+        run=False,
+        args={**yaml.safe_load(config), "trainer": {**yaml.safe_load(config)["trainer"], **QUIET}},
+        save_config_callback=None,
+    )
+    (from_cli,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    for callback in (namespace["callback"], from_yaml, from_cli):
         assert callback.sequences == PaddedSequences(mask="attention_mask")
         assert callback.planner.micro_batch_size_setting == eager.fitting_micro_batch_tokens
-        assert callback.max_memory == MiB
-    assert yaml.safe_load(config)["data"] == {"batch_size": 8}
+        assert callback.max_memory == eager.budget_bytes
+        # Split by tokens, a token-mean loss needs the tokens counted (the sample default warns at setup).
+        assert callback.count_items == CountTokens("labels", shift=1)
+    assert yaml.safe_load(config)["data"] == {"batch_size": 8} and cli.datamodule.batch_size == 8
 
 
 def test_the_json_is_in_bytes(eager):
@@ -174,6 +198,8 @@ def test_the_json_is_in_bytes(eager):
         "breakdown": eager.measurements[0].breakdown,
         "peak_phase": eager.measurements[0].peak_phase,
         "device_peak_bytes": None,
+        "resident_passes_peak_bytes": eager.measurements[0].resident_passes_peak_bytes,
+        "resident_optimizer_peak_bytes": eager.measurements[0].resident_optimizer_peak_bytes,
     }
     assert data["fitting_tokens_by_length"]["64"] == eager.fitting_micro_batch_tokens
     assert data["step_batch"]["real_tokens"] == sum(LENGTHS)
@@ -207,3 +233,26 @@ def test_bad_arguments_are_named_before_anything_is_measured(monkeypatch, kwargs
     monkeypatch.setattr(measure, "_measure", lambda *a, **k: pytest.fail("measured before the check"))
     with pytest.raises(error, match=match):
         probe_tokens(TokenLM, _data(), **{"batch_size": 8, **kwargs})
+
+
+def test_on_the_cpu_the_budget_is_in_the_planners_own_measure_the_resident_set(eager, monkeypatch):
+    # Split mode's planner reads the CPU's memory through `CPUBackend` (the process's peak resident set); the probe
+    # reads the same backend over each phase, and keeps what it holds beyond the live tensors out of the budget.
+    from lightning_accum.memory import backends
+
+    assert isinstance(backends.backend_for(torch.device("cpu")), backends.CPUBackend)
+    read = []
+    original = backends.CPUBackend.peak_bytes
+    monkeypatch.setattr(backends.CPUBackend, "peak_bytes", lambda self: read.append(1) or original(self))
+    measured = _measured_outside_the_grid("eager", 32, 2)
+    assert read and measured.resident_passes_peak_bytes is not None and measured.resident_optimizer_peak_bytes
+    assert eager.measure == "resident set"
+    for m in eager.measurements:  # the resident set holds every live tensor, and the interpreter besides
+        assert m.resident_passes_peak_bytes >= m.passes_peak_bytes
+    overhead = max(m.resident_passes_peak_bytes - m.passes_peak_bytes for m in eager.measurements)
+    assert eager.resident_overhead_bytes == overhead > 0
+    assert eager.usable_bytes == eager.budget_bytes - overhead
+    assert any("holds the process's peak resident set (VmHWM) to `max_memory`" in line for line in eager.findings())
+    # On fake tensors (no process to measure) the budget is live tensors, as before.
+    meta = probe_tokens(TokenLM, _data(), **GRID, budget_bytes=MiB, device="meta")
+    assert meta.measure == "live tensors" and meta.resident_overhead_bytes == 0 and meta.usable_bytes == MiB
