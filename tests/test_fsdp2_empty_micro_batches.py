@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
@@ -143,7 +141,7 @@ def _check(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_fsdp2_steps_exactly_over_micro_batches_that_hold_no_items(tmp_path):
-    mp.start_processes(_fsdp2_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_fsdp2_worker, (_free_port(), str(tmp_path)), WORLD_SIZE)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
     assert all(r["sharded"] for r in ranks), "the parameters must be FSDP2 DTensors for this test to bite"
     assert [r["unsynced"] for r in ranks] == [[[]] * len(STEPS)] * WORLD_SIZE
@@ -153,7 +151,7 @@ def test_fsdp2_steps_exactly_over_micro_batches_that_hold_no_items(tmp_path):
 @pytest.mark.parametrize("gradient_sync", ["deferred", "overlap"])
 def test_ddp_steps_exactly_over_the_same_micro_batches(tmp_path, gradient_sync):
     callback = pinned_token_callback([], gradient_sync=gradient_sync)
-    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    ddp = h.ddp_strategy()
     trainer = h.make_trainer(
         tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2, use_distributed_sampler=False
     )

@@ -216,16 +216,11 @@ class AutoMicroBatching(AccumulationOwner):
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
             raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
-        if self.sequences is not None and self.count_items is None and self.loss_reduction == "mean":
-            if not self._warned_sample_count:
-                self._warned_sample_count = True
-                rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=self.sequences))
-        backend = getattr(strategy, "process_group_backend", None)
-        warning = overlap_wait_warning(
-            self.gradient_sync, trainer.world_size, backend, _compat.process_group_timeout(strategy)
-        )
-        if warning:
-            rank_zero_warn(warning)
+        if not self._warned_sample_count:
+            self._warned_sample_count = _warn_about_the_sample_count(
+                self.sequences, self.count_items, self.loss_reduction
+            )
+        _warn_about_overlap_waits(trainer, self.gradient_sync)
         self.engine.resolve_hooks(pl_module, split_batch=self._split_batch, batch_size_of=self._batch_size_of)
         self._claim(trainer)
 
@@ -302,10 +297,7 @@ class AutoMicroBatching(AccumulationOwner):
             # skip optimizer steps, and split mode would silently drop step batches.
             raise ValueError(_ACCUMULATE_GRAD_BATCHES_CHANGED.format(trainer=trainer))
         if self._size_shrunk:
-            # Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak
-            # measured at the new size; release it once, not every step (re-faulting pages costs throughput). A grow
-            # has nothing to release: the larger step reuses what the smaller one held.
-            release_cached_memory()
+            _release_what_the_larger_size_held()
             self._size_shrunk = False
         if self._cold:
             self._cold = False
@@ -329,8 +321,9 @@ class AutoMicroBatching(AccumulationOwner):
         assert runner is not None
         # The deferred sync summed the buffers over ranks; DDP's own sync averaged them. By tokens, the padded and
         # real tokens are summed over ranks in the same all-reduce as the window's counts.
-        tokens = () if runner.tokens is None else (runner.tokens.padded, runner.tokens.real)
-        self._closed = self._close_window(trainer, optimizer, 1 if runner.policy.sums_gradients else None, tokens)
+        self._closed = self._close_window(
+            trainer, optimizer, 1 if runner.policy.sums_gradients else None, runner.token_sums()
+        )
 
     @override
     def on_train_batch_end(
@@ -539,6 +532,34 @@ _SAMPLE_COUNT_BY_TOKENS = (
     " a LightningCLI config `count_items: {{class_path: lightning_accum.items.CountTokens, init_args: {{key: labels,"
     " shift: 1}}}}`. If the loss is a mean over samples, pass `count_items=CountSamples()` to say so."
 )
+
+
+def _release_what_the_larger_size_held() -> None:
+    """After a shrink: release what the larger size left behind, once (re-faulting pages every step costs throughput).
+
+    Memory freed by the larger size stays cached (CUDA) or resident (CPU heap) and would inflate the peak measured at
+    the new size. A grow has nothing to release: the larger step reuses what the smaller one held.
+    """
+    release_cached_memory()
+
+
+def _warn_about_the_sample_count(
+    sequences: PaddedSequences | None, count_items: ItemCounter | None, loss_reduction: LossReduction
+) -> bool:
+    """Warn where split by tokens counts samples for a mean loss (`_SAMPLE_COUNT_BY_TOKENS`); whether it warned."""
+    if sequences is None or count_items is not None or loss_reduction != "mean":
+        return False
+    rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=sequences))
+    return True
+
+
+def _warn_about_overlap_waits(trainer: pl.Trainer, gradient_sync: GradientSync) -> None:
+    """Warn where an OOM in the synced backward could leave the other ranks waiting out a long NCCL timeout."""
+    strategy = trainer.strategy
+    backend = getattr(strategy, "process_group_backend", None)
+    warning = overlap_wait_warning(gradient_sync, trainer.world_size, backend, _compat.process_group_timeout(strategy))
+    if warning:
+        rank_zero_warn(warning)
 
 
 def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:

@@ -142,6 +142,10 @@ class SplitStepRunner:
             self.logs.replay(batch_size=self.step_batch_size)
         return context.make_result(loss, extra)
 
+    def token_sums(self) -> tuple[Tensor, ...]:
+        """The step's padded and real tokens (by tokens) to sum over ranks with the window's counts; else none."""
+        return () if self.tokens is None else (self.tokens.padded, self.tokens.real)
+
     def agreed_figures(self, alloc_retries: int) -> AgreedFigures:
         """After the step, on every rank: its figures, the largest over ranks (one small all-reduce).
 
