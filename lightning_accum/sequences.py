@@ -628,8 +628,8 @@ def check_items_kept(step_items: Any, micro_items: Sequence[Any], counter: Any) 
         return
     raise ValueError(
         f"`count_items` ({_name(counter)}) counts {step:g} items in the step batch, but {kept:g} in its micro-batches"
-        f" trimmed to their longest sequences: the loss scores {step - kept:g} positions past the sequences' lengths"
-        " (padding), which split mode by tokens trims away, so the update would not be the full-batch one. Set the"
+        f" trimmed to their longest sequences: the trim cuts {step - kept:g} positions the loss scores (padding past"
+        " each micro-batch's longest sequence), so the update would not be the full-batch one. Set the"
         " labels of padding to the ignore index (`labels[attention_mask == 0] = -100`; Hugging Face's"
         " `DataCollatorForLanguageModeling` does), so that neither the loss nor `count_items` scores it; to score"
         " padding on purpose, split by samples (no `sequences=`), which trims nothing."

@@ -105,7 +105,7 @@ def test_an_oom_on_the_rank_with_short_sequences_is_retried_on_both_exactly(tmp_
 
 
 def pad_scoring_padding(samples: list[dict[str, Any]], on: frozenset[int]) -> dict[str, Any]:
-    """`pad_right`, with ``labels = input_ids`` (no -100: the loss scores padding) in the step batches holding ``on``."""
+    """`pad_right`, with ``labels = input_ids`` (no -100: the loss scores padding) in step batches holding ``on``."""
     batch = pad_right(samples)
     if on & set(batch["index"].tolist()):
         batch["labels"] = batch["input_ids"].clone()
