@@ -10,12 +10,14 @@ compute follow the *padded tokens* of a micro-batch (samples x longest length), 
 2. consecutive samples share a micro-batch whose padded size stays within the token budget, cut where the step
    computes the fewest padded tokens, each micro-batch counted as `MICRO_BATCH_COST`'s share of the budget more
    (`TokenCut.groups`); a sequence longer than the budget gets a micro-batch of its own;
-3. each micro-batch is trimmed to its own longest sequence in every *sequence field*: every tensor with the batch
-   on dim 0 whose dim ``sequence_dim`` has the padded length (`lightning_accum.splitting.SequenceTrim`).
+3. each micro-batch is trimmed to its own longest sequence in every *sequence field*: the fields named in
+   ``fields``, or by default every tensor with the batch on dim 0 whose dim ``sequence_dim`` has the padded length
+   (`lightning_accum.splitting.SequenceTrim`).
 
 Sorting is exact for losses that treat samples independently. Trimming is exact for right-padded models whose real
-positions do not attend to padding (causal LMs, and models that mask padding). Left padding is refused: trimming it
-would move every real token to another position.
+positions do not attend to padding (causal LMs, and models that mask padding), and whose loss scores no padding: the
+step checks that the trimmed micro-batches hold as many items as the step batch (`check_items_kept`). Left padding
+is refused: trimming it would move every real token to another position.
 
 Examples:
     >>> batch = {"input_ids": torch.tensor([[5, 6, 0, 0], [7, 8, 9, 4], [3, 0, 0, 0]]),
@@ -29,8 +31,10 @@ Examples:
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +53,7 @@ from lightning_accum.splitting import (
     plan_batch,
     resolve_batch_hooks,
 )
+from lightning_accum.splitting._reading import name_paths
 
 MICRO_BATCH_COST = 32
 """A micro-batch costs as much as ``budget // MICRO_BATCH_COST`` padded tokens beyond its own (see `TokenCut.groups`).
@@ -63,25 +68,67 @@ _SHORT_WINDOW = 48  # `TokenCut.groups` takes the minimum over a window of up to
 LengthsFn = Callable[[Any], Any]
 """``lengths(batch)``: each sample's length, a 1-D integer tensor, array or list of ints."""
 
+FieldName = str | int
+"""A part of the batch: a mapping key or attribute (``"labels"``), a position in a tuple batch, or a whole path."""
+
+MASK_FORMS = (
+    "a bool mask (True on real positions), an integer mask (0 on padding, 1 or any positive id on real positions), a"
+    " float 0/1 mask, or an additive float mask (0 on real positions, a negative number such as -1e9 or -inf on"
+    " padding)"
+)
+"""The masks `PaddedSequences(mask=...)` reads; any other is refused with this list."""
+
+_SEQUENCE_NAMES = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "labels",
+        "position_ids",
+        "token_type_ids",
+        "loss_mask",
+        "special_tokens_mask",
+        "inputs_embeds",
+        "decoder_input_ids",
+        "decoder_attention_mask",
+    }
+)  # Hugging Face's names of sequence fields: trimming them by their length is never a surprise
+
 
 class PaddedSequences:
     """Where a batch's right-padded sequences are, so that split mode can sort, trim and size micro-batches by tokens.
 
-    Give either ``mask`` (each sample's length is the position of the last nonzero entry of its mask, plus one) or
-    ``lengths`` (a function of the batch). With ``mask``, the padded length is the mask's size along
-    ``sequence_dim``; with ``lengths``, it is the size along ``sequence_dim`` that most of the batch's per-sample
+    Give either ``mask`` (each sample's length is its last real position, plus one) or ``lengths`` (a function of
+    the batch). With ``mask``, the padded length is the mask's size along ``sequence_dim``; with ``lengths``, it is
+    the size along ``sequence_dim`` of the named ``fields``, or else the one that most of the batch's per-sample
     tensors share, among those at least as long as the longest sequence.
 
+    Both mean right padding: each sample's tokens at positions 0 to its length - 1, padding after. A mask shows left
+    padding, and it is refused. With ``lengths``, the step batch is checked where it can tell: positions past a
+    sample's length must hold padding in its ``attention_mask`` (if the batch has one) and in the ``padding`` fields.
+
+    By default every tensor with the batch on dim 0 whose dim ``sequence_dim`` has the padded length is a sequence
+    field (trimmed), and every other tensor whose dim 0 is the number of samples is cut per sample. Where that could
+    be read two ways (a tensor of another name than Hugging Face's that has the padded length, a 1-D float tensor as
+    long as the batch), the first step batch warns once with how each was treated; ``fields`` and ``shared`` settle
+    it.
+
     Args:
-        mask: where the 0/1 mask is: a mapping key (``"attention_mask"``, the default when ``lengths`` is not given),
-            a position in a tuple batch, or an attribute name of a batch object.
+        mask: where the mask is: a mapping key (``"attention_mask"``, the default when ``lengths`` is not given),
+            a position in a tuple batch, or an attribute name of a batch object. Read are `MASK_FORMS`.
         lengths: ``lengths(batch)`` returns each sample's length (a 1-D integer tensor, array or list), or the import
             path of such a function; instead of ``mask``.
         sequence_dim: the dimension that holds the sequence in the sequence fields (1 for ``(batch, sequence)``).
+        fields: the sequence fields, the only tensors trimmed (``["input_ids", "attention_mask", "labels"]``; the
+            mask is always one): keys, attribute names, positions, or paths such as ``"batch['inputs']['ids']"``.
+        shared: parts shared by all samples, given whole to every micro-batch whatever their shape (a ``[vocab]``
+            weight tensor whose length may equal the number of samples).
+        padding: what the padding holds, by field (``{"input_ids": 0, "labels": -100}``): positions past a sample's
+            length must hold it, or the step batch is refused (it is left-padded, or the lengths are too short).
 
     Raises:
         TypeError: ``mask`` is not a str or an int, ``lengths`` is not callable, or an argument has the wrong type.
-        ValueError: both ``mask`` and ``lengths`` are given, or ``sequence_dim < 1``.
+        ValueError: both ``mask`` and ``lengths`` are given, ``sequence_dim < 1``, or a field is both in ``fields``
+            and ``shared``.
 
     Examples:
         >>> sequences = PaddedSequences(mask="attention_mask")
@@ -97,6 +144,9 @@ class PaddedSequences:
         *,
         lengths: LengthsFn | ImportPath | None = None,
         sequence_dim: PositiveInt = 1,
+        fields: Sequence[str | int] | None = None,
+        shared: Sequence[str | int] | None = None,
+        padding: Mapping[str, int] | None = None,
     ) -> None:
         if mask is not None and lengths is not None:
             raise ValueError(
@@ -114,6 +164,22 @@ class PaddedSequences:
         self._lengths_given = lengths
         self.lengths_fn: LengthsFn | None = _resolve_lengths(lengths)
         self.sequence_dim = check_int(sequence_dim, "sequence_dim", 1, hint="Dim 0 holds the samples.")
+        self.fields = _names(fields, "fields")
+        self.shared = _names(shared, "shared")
+        both = sorted(set(self.fields or ()) & set(self.shared or ()), key=repr)
+        if both:
+            raise ValueError(
+                f"`PaddedSequences`: {both} is in both `fields` (trimmed as sequences) and `shared` (given whole to"
+                " every micro-batch). Name each part in one of them."
+            )
+        self.padding = _padding(padding)
+        self._field_paths = (
+            None
+            if self.fields is None
+            else frozenset().union(*(name_paths(n) for n in (*self.fields, *([] if mask is None else [mask]))))
+        )
+        self._shared_paths = frozenset[str]().union(*(name_paths(n) for n in self.shared or ()))
+        self._warned = False  # the default rules' reading is told once
 
     def lengths(self, batch: Any) -> Tensor:
         """Each sample's length, a 1-D int64 tensor on the CPU (one host read per step batch).
@@ -137,9 +203,10 @@ class PaddedSequences:
         if self.lengths_fn is None:
             return int(self._mask(batch).shape[self.sequence_dim])
         longest = int(lengths.max()) if len(lengths) else 0
+        candidates = plan.row_tensors() if self.fields is None else [t for _, t in self._named(plan)]
         sizes = Counter(
             int(node.shape[self.sequence_dim])
-            for node in plan.row_tensors()
+            for node in candidates
             if node.ndim > self.sequence_dim and node.shape[self.sequence_dim] >= longest
         )
         if not sizes:
@@ -151,8 +218,24 @@ class PaddedSequences:
         return max(sizes, key=lambda size: (sizes[size], size))
 
     def cut(self, batch: Any, hooks: BatchHooks | None = None) -> TokenCut:
-        """Read ``batch`` once: its plan, its samples ordered by length (longest first) and its padded length."""
-        plan = (hooks or resolve_batch_hooks(None)).plan(batch)
+        """Read ``batch`` once: its plan, its samples ordered by length (longest first) and its padded length.
+
+        Raises:
+            KeyError: the batch has no field named in ``padding``, or no mask under ``mask``.
+            ValueError: as `lengths` does; a part named in ``fields`` or ``shared`` is not in the batch, or a named
+                field is not a sequence of the padded length; positions past a sample's length hold real tokens
+                (left padding, or lengths too short).
+        """
+        try:
+            plan = (hooks or resolve_batch_hooks(None)).plan(batch, self._shared_paths)
+        except ValueError as err:
+            if self.shared is not None:
+                raise
+            raise ValueError(
+                f"{err} A tensor shared by all samples (not cut per sample) is named in"
+                " `PaddedSequences(shared=[...])`."
+            ) from err
+        self._check_shared(plan)
         lengths = self.lengths(batch)
         if len(lengths) != plan.size:
             raise ValueError(
@@ -165,23 +248,142 @@ class PaddedSequences:
                 f"`PaddedSequences(lengths=...)` returned a length of {int(lengths.max())} for a batch padded to"
                 f" {padded}: a sequence cannot be longer than its padding. Return each sample's real length."
             )
+        if self.fields is not None:
+            self._check_fields(plan, padded)
+        self._check_padding(batch, plan, lengths, padded)
+        if not self._warned:
+            self._tell_the_reading(plan, padded)
         ordered, order = torch.sort(lengths, descending=True, stable=True)
-        return TokenCut(plan, order.tolist(), ordered.tolist(), padded, self.sequence_dim)
+        return TokenCut(
+            plan, order.tolist(), ordered.tolist(), padded, self.sequence_dim, self._field_paths, self._shared_paths
+        )
+
+    def _named(self, plan: BatchPlan) -> list[tuple[str, Any]]:
+        """The named sequence fields' ``(path, tensor)``; a name that is no tensor of rows is refused."""
+        rows = plan.row_paths()
+        found = []
+        for name in (*(self.fields or ()), *([] if self.mask is None else [self.mask])):
+            paths = [p for p in sorted(name_paths(name)) if p in rows]
+            if not paths:
+                roles = plan.roles()
+                held = next((f"{p!s} ({roles[p]})" for p in sorted(name_paths(name)) if p in roles), None)
+                raise ValueError(
+                    f"`PaddedSequences(fields=...)` names {name!r}, but "
+                    + (f"{held} is not a tensor cut per sample" if held else "the batch has no such part")
+                    + f"; the batch's tensors are {sorted(rows)}. Name the sequence fields as they are in the batch."
+                )
+            found.append((paths[0], rows[paths[0]]))
+        return found
+
+    def _check_fields(self, plan: BatchPlan, padded: int) -> None:
+        dim = self.sequence_dim
+        for path, tensor in self._named(plan):
+            if tensor.ndim <= dim or tensor.shape[dim] != padded:
+                raise ValueError(
+                    f"`PaddedSequences(fields=...)` names `{path}`, of shape {tuple(tensor.shape)}, but a sequence"
+                    f" field has the padded length {padded} on `sequence_dim={dim}`. Name only the sequence fields; a"
+                    " per-sample tensor of another length is cut per sample without being named."
+                )
+
+    def _check_shared(self, plan: BatchPlan) -> None:
+        roles = plan.roles()
+        for name in self.shared or ():
+            if not any(p in roles for p in name_paths(name)):
+                raise ValueError(
+                    f"`PaddedSequences(shared=...)` names {name!r}, but the batch has no such part; its parts are"
+                    f" {sorted(roles)}. Name the parts shared by all samples as they are in the batch."
+                )
+
+    def _check_padding(self, batch: Any, plan: BatchPlan, lengths: Tensor, padded: int) -> None:
+        """Refuse a step batch whose positions past a sample's length hold real tokens, where the batch shows it."""
+        past = torch.arange(padded)[None, :] >= lengths[:, None]  # [samples, positions]: what the trim may cut
+        checks: list[tuple[str, Tensor]] = []  # (what was seen, where it holds a real token past a length)
+        if self.lengths_fn is not None and "attention_mask" not in self.padding:
+            mask = _find(batch, "attention_mask")
+            if isinstance(mask, Tensor) and mask.ndim > self.sequence_dim and mask.shape[self.sequence_dim] == padded:
+                real = _real_positions(mask, "attention_mask", self.sequence_dim)
+                if real.shape[0] == len(lengths):
+                    checks.append(("`batch['attention_mask']` marks a real token", real & past))
+        for key, value in self.padding.items():
+            field = lookup(batch, key, f"PaddedSequences(padding={{{key!r}: {value}}})", "the field")
+            if not isinstance(field, Tensor) or field.ndim <= self.sequence_dim or field.shape[0] != len(lengths):
+                raise ValueError(
+                    f"`PaddedSequences(padding={{{key!r}: {value}}})`: batch[{key!r}] must be a tensor of shape"
+                    f" (samples, sequence, ...), got {getattr(field, 'shape', type(field).__name__)}."
+                )
+            if field.shape[self.sequence_dim] != padded:
+                continue  # not padded to the batch's length: the trim leaves it whole
+            held = (field.detach() != value).movedim(self.sequence_dim, 1).reshape(len(lengths), padded, -1).any(-1)
+            checks.append((f"`batch[{key!r}]` holds a value other than its padding {value}", held.cpu() & past))
+        for what, bad in checks:
+            rows = bad.any(dim=1)
+            if bool(rows.any()):
+                row = int(rows.nonzero()[0, 0])
+                position = int(bad[row].nonzero()[0, 0])
+                source = "`lengths=`" if self.lengths_fn is not None else f"the mask `{self.mask!r}`"
+                raise ValueError(
+                    f"`{self!r}`: sample {row} of the step batch has length {int(lengths[row])} by {source}, but"
+                    f" {what} at position {position}: trimming to the longest length would drop it. `PaddedSequences`"
+                    " reads right padding: each sample's tokens at positions 0 to its length - 1, padding after."
+                    " Pad on the right (Hugging Face: `tokenizer.padding_side = 'right'`), or return lengths that"
+                    " cover every real token."
+                )
+
+    def _tell_the_reading(self, plan: BatchPlan, padded: int) -> None:
+        """Warn once where the default rules read a part by its shape alone, and it could have been the other thing."""
+        self._warned = True
+        dim, size = self.sequence_dim, plan.size
+        mask_paths = frozenset() if self.mask is None else name_paths(self.mask)
+        trimmed, per_sample = [], []
+        for path, tensor in plan.row_paths().items():
+            if not isinstance(tensor, Tensor):
+                continue  # a NumPy array: read by the same rules, rare enough not to be told
+            key = path[len("batch['") : -2] if path.startswith("batch['") and path.count("[") == 1 else None
+            if self.fields is None and tensor.ndim > dim and tensor.shape[dim] == padded:
+                if path not in mask_paths and key not in _SEQUENCE_NAMES:
+                    trimmed.append(f"`{path}` {tuple(tensor.shape)}")
+            elif self.shared is None and tensor.ndim == 1 and size > 1 and tensor.is_floating_point():
+                # Float, as weights shared by all samples are; a per-sample index, label or length is an integer.
+                per_sample.append(f"`{path}` {tuple(tensor.shape)}")
+        if not trimmed and not per_sample:
+            return
+        told = []
+        if trimmed:
+            told.append(
+                f"trimmed as sequence fields (their dim {dim} has the padded length {padded}): {', '.join(trimmed)}"
+            )
+        if per_sample:
+            told.append(f"cut per sample (their length is the {size} samples): {', '.join(per_sample)}")
+        warnings.warn(
+            f"`{self!r}` read parts of the step batch by their shape alone, and they could be the other thing: "
+            + "; ".join(told)
+            + ". Name them to be sure: `PaddedSequences(fields=[...])` lists the sequence fields (only those are"
+            " trimmed), `shared=[...]` the parts shared by all samples (given whole to every micro-batch; `shared=[]`"
+            " says there are none).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _mask(self, batch: Any) -> Any:
         assert self.mask is not None
         return lookup(batch, self.mask, f"PaddedSequences(mask={self.mask!r})", "a mask (or pass `lengths=`)")
 
     def __repr__(self) -> str:
+        extra = "".join(
+            f", {name}={value!r}"
+            for name, value in (("fields", self.fields), ("shared", self.shared), ("padding", self.padding or None))
+            if value is not None
+        )
         if self.lengths_fn is not None:
             source = self._lengths_given if isinstance(self._lengths_given, str) else _name(self.lengths_fn)
-            return f"PaddedSequences(lengths={source!r}, sequence_dim={self.sequence_dim})"
-        return f"PaddedSequences(mask={self.mask!r}, sequence_dim={self.sequence_dim})"
+            return f"PaddedSequences(lengths={source!r}, sequence_dim={self.sequence_dim}{extra})"
+        return f"PaddedSequences(mask={self.mask!r}, sequence_dim={self.sequence_dim}{extra})"
 
     def _key(self) -> tuple[Any, ...]:
         # The function itself, not its name: two lambdas both read `<lambda>`; an import path and the function it
         # names are the same.
-        return (self.mask, self.lengths_fn, self.sequence_dim)
+        padding = tuple(sorted(self.padding.items(), key=repr))
+        return (self.mask, self.lengths_fn, self.sequence_dim, self.fields, self.shared, padding)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PaddedSequences) and self._key() == other._key()
@@ -216,10 +418,18 @@ class TokenCut:
     """
 
     def __init__(
-        self, plan: BatchPlan | None, order: list[int], lengths: list[int], padded_length: int, sequence_dim: int
+        self,
+        plan: BatchPlan | None,
+        order: list[int],
+        lengths: list[int],
+        padded_length: int,
+        sequence_dim: int,
+        fields: frozenset[str] | None = None,
+        shared: frozenset[str] = frozenset(),
     ) -> None:
         self.plan, self.order, self.lengths = plan, order, lengths
         self.padded_length, self.sequence_dim = padded_length, sequence_dim
+        self.fields, self.shared = fields, shared  # the paths of the named sequence fields and shared parts
         self._groups: dict[int, list[range]] = {}  # by budget: `split` and `stats` cut alike, once
 
     @property
@@ -289,12 +499,15 @@ class TokenCut:
         # The fake copy holds as many samples as the step batch: read at that size, as a user's `batch_size_of`
         # hook read the step batch.
         plan = (
-            self.plan if self.plan is not None and batch is self.plan.batch else plan_batch(batch, batch_size=self.size)
+            self.plan
+            if self.plan is not None and batch is self.plan.batch
+            else plan_batch(batch, batch_size=self.size, shared=self.shared)
         )
         order = RowOrder(self.order)  # one index tensor per device for the whole step, not one per micro-batch
         micro_batches = []
         for group in self.groups(budget):
-            trim = SequenceTrim(self.sequence_dim, self.padded_length, max(1, self.lengths[group.start]))
+            longest = max(1, self.lengths[group.start])
+            trim = SequenceTrim(self.sequence_dim, self.padded_length, longest, self.fields)
             micro_batches.append(MicroBatch(plan.take_span(order, group, trim=trim), len(group)))
         return micro_batches
 
@@ -320,11 +533,7 @@ def _mask_lengths(mask: Any, where: str | int | None, sequence_dim: int) -> Tens
             f"`PaddedSequences(mask={where!r}, sequence_dim={sequence_dim})`: the mask has shape {tuple(mask.shape)},"
             f" with no dim {sequence_dim}. Pass the `sequence_dim` of the sequence."
         )
-    present = mask.detach() != 0
-    other = [d for d in range(1, present.ndim) if d != sequence_dim]
-    if other:
-        present = present.any(dim=other)  # one flag per sample and position
-    present = present.to("cpu")
+    present = _real_positions(mask, where, sequence_dim)
     positions = torch.arange(1, present.shape[1] + 1)
     lengths = (present * positions).amax(dim=1)  # the last real position, plus one; 0 for an empty sample
     left_padded = ~present[:, 0] & (lengths > 0)
@@ -337,6 +546,129 @@ def _mask_lengths(mask: Any, where: str | int | None, sequence_dim: int) -> Tens
             " Face: `tokenizer.padding_side = 'right'`)."
         )
     return lengths.to(torch.int64)
+
+
+def _real_positions(mask: Tensor, where: str | int | None, sequence_dim: int) -> Tensor:
+    """Where ``mask`` (one of `MASK_FORMS`) marks a real token: ``[samples, positions]`` bools on the CPU.
+
+    Any other mask is refused for what it is. An all-zero float mask reads as additive (every position real): a step
+    batch of empty samples is not a float 0/1 mask's likely meaning.
+    """
+    values = mask.detach()
+    if values.dtype == torch.bool:
+        real = values
+    elif values.is_complex():
+        raise TypeError(_mask_error(where, f"a complex mask (dtype {values.dtype})"))
+    else:
+        numbers = values if values.is_floating_point() else values.to(torch.int64)
+        # One host read for the whole check: the smallest and largest value, any NaN, and whether all are 0 or 1.
+        zero_one = ((numbers == 0) | (numbers == 1)).all()
+        low, high, nan, binary = (
+            torch.stack(
+                [numbers.min(), numbers.max(), numbers.isnan().any().to(numbers.dtype), zero_one.to(numbers.dtype)]
+            ).tolist()
+            if numbers.numel()
+            else (0, 0, 0, 1)
+        )
+        if nan:
+            raise ValueError(_mask_error(where, "a mask holding NaN"))
+        if not values.is_floating_point():
+            if low < 0:
+                raise ValueError(_mask_error(where, f"an integer mask holding {int(low)} (below 0)"))
+            real = values != 0
+        elif binary:
+            real = values != 0
+        elif high <= 0:
+            real = values == 0  # additive: 0 where attention goes, a large negative number where it does not
+        else:
+            raise ValueError(
+                _mask_error(where, f"a float mask holding values from {low:g} to {high:g}, neither 0/1 nor additive")
+            )
+    other = [d for d in range(1, real.ndim) if d != sequence_dim]
+    if other:
+        real = real.any(dim=other)  # one flag per sample and position
+    return real.to("cpu")
+
+
+def _mask_error(where: str | int | None, what: str) -> str:
+    return (
+        f"`PaddedSequences(mask={where!r})` found {what} at batch[{where!r}]. It reads {MASK_FORMS}. Point `mask` at"
+        " such a mask, or pass `lengths=` (a function that returns each sample's length)."
+    )
+
+
+def check_items_kept(step_items: Any, micro_items: Sequence[Any], counter: Any) -> None:
+    """Refuse a step whose trimmed micro-batches hold fewer items than the step batch: the trim cut scored positions.
+
+    Split mode by tokens trims each micro-batch to its longest sequence; that is exact only if the positions it cuts
+    carry no item of the loss. ``step_items`` is what ``counter`` (the ``count_items``) finds in the untrimmed step
+    batch, ``micro_items`` what it finds in each trimmed micro-batch. One host read.
+
+    Raises:
+        ValueError: the counts differ: the loss scores padding (labels that are not ``-100`` there), and the update
+            would not be the full-batch one.
+
+    Examples:
+        >>> check_items_kept(torch.tensor(7), [torch.tensor(4), torch.tensor(3)], "count")
+        >>> check_items_kept(torch.tensor(9), [torch.tensor(4), torch.tensor(3)], "count")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `count_items` ('count') counts 9 items in the step batch, but 7 in its micro-batches trimmed ...
+    """
+    counts = [step_items, *micro_items]
+    tensors = [c for c in counts if isinstance(c, Tensor)]
+    if tensors:
+        device = tensors[0].device
+        values = torch.stack([torch.as_tensor(c, device=device, dtype=torch.float64).reshape(()) for c in counts])
+        step, *micro = values.tolist()
+    else:
+        step, *micro = (float(c) for c in counts)
+    kept = math.fsum(micro)
+    if math.isclose(step, kept, rel_tol=1e-6, abs_tol=1e-6):
+        return
+    raise ValueError(
+        f"`count_items` ({_name(counter)}) counts {step:g} items in the step batch, but {kept:g} in its micro-batches"
+        f" trimmed to their longest sequences: the trim cuts {step - kept:g} positions the loss scores (padding past"
+        " each micro-batch's longest sequence), so the update would not be the full-batch one. Set the"
+        " labels of padding to the ignore index (`labels[attention_mask == 0] = -100`; Hugging Face's"
+        " `DataCollatorForLanguageModeling` does), so that neither the loss nor `count_items` scores it; to score"
+        " padding on purpose, split by samples (no `sequences=`), which trims nothing."
+    )
+
+
+def _find(batch: Any, key: str) -> Any:
+    """``batch[key]`` or ``batch.key`` where the batch has it; ``None`` otherwise."""
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    return getattr(batch, key, None) if not isinstance(batch, (list, tuple, Tensor)) else None
+
+
+def _names(names: Any, argument: str) -> tuple[FieldName, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, (str, int)) or not isinstance(names, Sequence):
+        raise TypeError(
+            f"`{argument}` must be a list of the batch's keys, attribute names or positions (e.g. ['input_ids',"
+            f" 'labels']), got {names!r} of type {type(names).__name__}."
+        )
+    odd = next((n for n in names if isinstance(n, bool) or not isinstance(n, (str, int))), None)
+    if odd is not None:
+        raise TypeError(f"`{argument}` must hold str keys or int positions, got {odd!r} of type {type(odd).__name__}.")
+    return tuple(names)
+
+
+def _padding(padding: Any) -> dict[FieldName, int | float]:
+    if padding is None:
+        return {}
+    if not isinstance(padding, Mapping):
+        raise TypeError(
+            f"`padding` must map fields to the value their padding holds (e.g. {{'input_ids': 0}}), got {padding!r}"
+            f" of type {type(padding).__name__}."
+        )
+    for key, value in padding.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"`padding[{key!r}]` must be the number padding holds there, got {value!r}.")
+    return dict(padding)
 
 
 def _checked_lengths(value: Any, given: Any) -> Tensor:

@@ -272,3 +272,292 @@ def test_auto_starts_from_the_preflight_in_tokens(tmp_path):
     model, expected, _ = fit_tokens(tmp_path, callback, lengths)
     assert callback.preflight_result is not None and callback.preflight_result.peak_model is not None
     h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- data as it comes (issue 25): masks of every form, left padding, labels on padding, fields of odd shapes -------
+
+
+def collate(samples, pad_to=None, mask_form="int", left=False, labels_on_padding=False, **extra):
+    """``pad_right``'s batch with the mask in ``mask_form``, or left-padded, or with labels = input_ids."""
+    batch = pad_right(samples, pad_to=pad_to)
+    real = batch["attention_mask"].bool()
+    if left:
+        lengths = real.sum(1)
+        batch = {k: v for k, v in batch.items()}
+        for key in ("input_ids", "attention_mask", "labels"):
+            rolled = [torch.roll(row, int(row.shape[0] - n)) for row, n in zip(batch[key], lengths, strict=True)]
+            batch[key] = torch.stack(rolled)
+        real = batch["attention_mask"].bool()
+    if labels_on_padding:
+        batch["labels"] = batch["input_ids"].clone()  # no -100 anywhere: the loss scores padding
+    forms = {
+        "bool": real,
+        "int": real.long(),
+        "float": real.float(),
+        "additive": torch.zeros(real.shape).masked_fill(~real, -1e9),
+        "additive_inf": torch.zeros(real.shape).masked_fill(~real, float("-inf")),
+    }
+    batch["attention_mask"] = forms[mask_form]
+    return batch | {k: fn(batch) for k, fn in extra.items()}
+
+
+class AnyMaskLM(TinyCausalLM):
+    """`TinyCausalLM` that reads its mask in any form: 0/1 and bool as given, an additive one as 0 = attend."""
+
+    def __init__(self, additive=False, **kwargs):
+        super().__init__(**kwargs)
+        self.additive = additive
+
+    def forward(self, input_ids, attention_mask):
+        return super().forward(input_ids, attention_mask == 0 if self.additive else attention_mask)
+
+
+def reference(initial, dataset, steps, make_batch, lr=LR):
+    """The exact gradients along the run: each step's samples in one batch made by ``make_batch``, one pass, SGD."""
+    model = copy.deepcopy(initial)
+    grads = []
+    for indices in steps:
+        model.zero_grad(set_to_none=True)
+        model.loss(make_batch([dataset[i] for i in indices])).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in grads[-1]:
+                    p -= lr * grads[-1][name]
+    return grads
+
+
+def fit_form(tmp_path, callback, model, make_batch, lengths, step_batch=8):
+    dataset = TokenSequences(lengths, seed=5)
+    initial = copy.deepcopy(model)
+    trainer = h.make_trainer(tmp_path, [callback])
+    trainer.fit(model, DataLoader(dataset, batch_size=step_batch, collate_fn=make_batch))
+    return reference(initial, dataset, model.step_indices, make_batch), initial
+
+
+LENGTHS = [9, 3, 7, 2, 5, 8, 4, 6, 2, 9, 3, 5, 7, 4, 6, 8]
+
+
+@pytest.mark.parametrize("form", ["bool", "int", "float", "additive", "additive_inf"])
+def test_every_mask_form_is_read_and_the_split_is_exact(tmp_path, form):
+    # An additive float mask (0 on real positions, -1e9 on padding) was refused as "left-padded".
+    make_batch = functools.partial(collate, mask_form=form, pad_to=12)
+    model = AnyMaskLM(additive=form.startswith("additive"), lr=LR)
+    callback = token_callback(micro_batch_tokens=24, pin_micro_batch_size=True)
+    expected, _ = fit_form(tmp_path, callback, model, make_batch, LENGTHS)
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+    assert max(n for _, n in model.micro_batch_shapes) == 9 < 12  # trimmed
+    batch = make_batch([TokenSequences([4, 2], seed=0)[i] for i in range(2)])
+    assert PaddedSequences().lengths(batch).tolist() == [4, 2]
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        (torch.tensor([[1.0, 0.5, 0.0]]), r"a float mask holding values from 0 to 1, neither 0/1 nor additive"),
+        (torch.tensor([[0.0, -1e9, 1.0]]), r"a float mask holding values from -1e\+09 to 1, neither 0/1 nor additive"),
+        (torch.tensor([[1, -1, 0]]), r"an integer mask holding -1 \(below 0\)"),
+        (torch.tensor([[1.0, float("nan")]]), r"a mask holding NaN"),
+    ],
+)
+def test_a_mask_of_another_form_is_refused_for_what_it_is(mask, match):
+    with pytest.raises(ValueError, match=match + r".*It reads a bool mask .* or an additive float mask"):
+        PaddedSequences(mask="attention_mask").lengths({"attention_mask": mask})
+
+
+def left_padded_lengths(batch):
+    return batch["attention_mask"].bool().sum(1)
+
+
+def test_lengths_on_left_padded_data_with_a_mask_is_refused_before_any_update(tmp_path):
+    # `lengths=` trimmed the real tokens off left-padded data, silently: the update was off the full-batch one.
+    make_batch = functools.partial(collate, left=True, pad_to=12)
+    model = TinyCausalLM(lr=LR)
+    initial = copy.deepcopy(model)
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(lengths=left_padded_lengths),
+        micro_batch_tokens=24,
+        pin_micro_batch_size=True,
+        count_items=CountTokens("labels", shift=1),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0 of the step batch has length 9 by `lengths=`, but `batch\['attention_mask'\]` marks a real"
+        r" token at position 9: trimming .* reads right padding",
+    ):
+        fit_form(tmp_path, callback, model, make_batch, LENGTHS)
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value, dict(initial.named_parameters())[name], rtol=0, atol=0)
+
+
+def test_lengths_with_a_named_pad_id_checks_a_batch_without_a_mask():
+    batch = collate([TokenSequences([4, 2], seed=0)[i] for i in range(2)], left=True)
+    del batch["attention_mask"]
+    sequences = PaddedSequences(lengths=lambda b: (b["input_ids"] != 0).sum(1), padding={"input_ids": 0})
+    with pytest.raises(ValueError, match=r"sample 1 .* `batch\['input_ids'\]` holds a value other than its padding 0"):
+        sequences.cut(batch)
+    right = collate([TokenSequences([4, 2], seed=0)[i] for i in range(2)])
+    assert sequences.cut(right).lengths == [4, 2]  # right padding passes the same check
+
+
+def test_lengths_on_right_padded_data_with_a_mask_is_exact(tmp_path):
+    make_batch = functools.partial(collate, pad_to=12)
+    model = TinyCausalLM(lr=LR)
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(lengths=left_padded_lengths),  # the same lengths: right padding is what they mean
+        micro_batch_tokens=24,
+        pin_micro_batch_size=True,
+        count_items=CountTokens("labels", shift=1),
+    )
+    expected, _ = fit_form(tmp_path, callback, model, make_batch, LENGTHS)
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [CountTokens("labels", shift=1), lambda b: (b["labels"][:, 1:] != -100).sum()],
+    ids=["CountTokens", "lambda"],
+)
+def test_labels_that_score_padding_stop_the_step_before_any_update(tmp_path, counter):
+    # labels = input_ids with no -100: the trim dropped the padding's terms, 0.99 of the update off, no warning.
+    make_batch = functools.partial(collate, labels_on_padding=True, pad_to=12)
+    model = TinyCausalLM(lr=LR)
+    initial = copy.deepcopy(model)
+    callback = AutoMicroBatching(
+        sequences=PaddedSequences(), micro_batch_tokens=24, pin_micro_batch_size=True, count_items=counter
+    )
+    step = make_batch([TokenSequences(LENGTHS, seed=5)[i] for i in range(8)])
+    scored = int((step["labels"][:, 1:] != -100).sum())  # what the full-batch loss averages over
+    with pytest.raises(
+        ValueError,
+        match=rf"`count_items` \(.*\) counts {scored} items in the step batch, but \d+ in its micro-batches trimmed"
+        r".*labels\[attention_mask == 0\] = -100",
+    ):
+        fit_form(tmp_path, callback, model, make_batch, LENGTHS)
+    assert model.step_grads == []  # no step finished
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value, dict(initial.named_parameters())[name], rtol=0, atol=0)
+
+
+def test_labels_that_score_padding_split_by_samples_are_exact(tmp_path):
+    # The fix the message names for scoring padding on purpose: split by samples, which trims nothing.
+    make_batch = functools.partial(collate, labels_on_padding=True, pad_to=12)
+    model = TinyCausalLM(lr=LR)
+    callback = AutoMicroBatching(3, pin_micro_batch_size=True, count_items=CountTokens("labels", shift=1))
+    expected, _ = fit_form(tmp_path, callback, model, make_batch, LENGTHS)
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+FEATURES = 12  # a per-sample vector as long as the padding
+
+
+class FeatureLM(AnyMaskLM):
+    """Adds a per-sample ``[B, 12]`` feature vector's projection and a shared ``[40]`` bias to every position."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(1)
+        self.features = torch.nn.Linear(FEATURES, 40)
+
+    def loss(self, batch):
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        # A shape error where `features` was trimmed; a broadcast error where `token_bias` was cut per sample.
+        logits = logits + self.features(batch["features"])[:, None, :] + batch["token_bias"]
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+        )
+
+
+def features_of(batch):
+    g = torch.Generator().manual_seed(int(batch["index"].sum()))
+    return torch.randn(len(batch["index"]), FEATURES, generator=g)
+
+
+def shared_bias(batch):
+    return torch.linspace(-1, 1, 40)
+
+
+def test_named_fields_and_shared_parts_are_cut_as_named_and_exact(tmp_path):
+    # A per-sample [B, 12] vector in a batch padded to 12 was trimmed like a sequence (a shape error in the model),
+    # and a shared [40] tensor in a step batch of 40 samples was cut per micro-batch (an error in the loss).
+    make_batch = functools.partial(collate, pad_to=FEATURES, features=features_of, token_bias=shared_bias)
+    model = FeatureLM(lr=LR)
+    sequences = PaddedSequences(fields=["input_ids", "labels"], shared=["token_bias"])
+    callback = AutoMicroBatching(
+        sequences=sequences, micro_batch_tokens=48, pin_micro_batch_size=True, count_items=CountTokens(shift=1)
+    )
+    lengths = (LENGTHS * 5)[:80]
+    expected, _ = fit_form(tmp_path, callback, model, make_batch, lengths, step_batch=40)
+    assert len(model.step_grads) == 2 and len(model.micro_batch_shapes) > 2
+    h.assert_grads_close(model.step_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_rules_say_how_they_read_parts_that_could_be_either():
+    make_batch = functools.partial(collate, pad_to=FEATURES, features=features_of, token_bias=shared_bias)
+    dataset = TokenSequences((LENGTHS * 3)[:40], seed=5)
+    batch = make_batch([dataset[i] for i in range(40)])
+    with pytest.warns(
+        UserWarning,
+        match=r"trimmed as sequence fields \(their dim 1 has the padded length 12\): `batch\['features'\]` \(40, 12\);"
+        r" cut per sample \(their length is the 40 samples\): `batch\['token_bias'\]` \(40,\)\. Name them",
+    ):
+        cut = PaddedSequences().cut(batch)
+    assert tuple(cut.split(batch, 48)[0].batch["features"].shape) == (5, 9)  # the default rules: trimmed
+    named = PaddedSequences(fields=["input_ids", "labels"], shared=["token_bias"])
+    micro = named.cut(batch).split(batch, 48)[0].batch
+    assert tuple(micro["features"].shape) == (5, FEATURES) and micro["token_bias"] is batch["token_bias"]
+    assert tuple(micro["input_ids"].shape) == tuple(micro["attention_mask"].shape) == (5, 9)  # the mask: a field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"fields": ["input_ids", "features"]}, ValueError, r"names `batch\['features'\]`, of shape \(2, 12\), but"),
+        ({"fields": ["inputs"]}, ValueError, r"names 'inputs', but the batch has no such part"),
+        ({"shared": ["bias"]}, ValueError, r"`PaddedSequences\(shared=...\)` names 'bias', but the batch has no"),
+        ({"fields": ["labels"], "shared": ["labels"]}, ValueError, r"\['labels'\] is in both `fields`"),
+        ({"fields": "labels"}, TypeError, r"`fields` must be a list of the batch's keys"),
+    ],
+)
+def test_fields_and_shared_that_do_not_fit_the_batch_are_refused(kwargs, error, match):
+    batch = collate([TokenSequences([4, 2], seed=0)[i] for i in range(2)], features=lambda b: torch.zeros(2, 12))
+    batch["features"] = torch.zeros(2, 12)
+    with pytest.raises(error, match=match):
+        PaddedSequences(**kwargs).cut(batch)
+
+
+def test_a_shared_tensor_of_another_length_names_shared_in_the_error():
+    batch = collate([TokenSequences([4, 2], seed=0)[i] for i in range(2)], token_bias=shared_bias)
+    with pytest.raises(ValueError, match=r"`batch\['token_bias'\]`.*PaddedSequences\(shared=\[\.\.\.\]\)"):
+        PaddedSequences().cut(batch)
+    assert PaddedSequences(shared=["token_bias"]).cut(batch).lengths == [4, 2]
+
+
+def test_fields_shared_and_padding_come_from_lightning_cli_yaml(tmp_path, monkeypatch):
+    import sys
+
+    import yaml
+
+    from tests.test_cli_config import build_from
+
+    monkeypatch.setattr(sys, "argv", ["main.py"])
+    sequences = {
+        "class_path": "lightning_accum.sequences.PaddedSequences",
+        "init_args": {
+            "mask": "attention_mask",
+            "fields": ["input_ids", "labels"],
+            "shared": ["token_bias"],
+            "padding": {"input_ids": 0, "labels": -100},
+        },
+    }
+    callback = {"class_path": "lightning_accum.AutoMicroBatching", "init_args": {"sequences": sequences}}
+    config = tmp_path / "tokens.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    cli = build_from(tmp_path, config)
+    (built,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AutoMicroBatching)]
+    assert built.sequences == PaddedSequences(
+        mask="attention_mask",
+        fields=["input_ids", "labels"],
+        shared=["token_bias"],
+        padding={"input_ids": 0, "labels": -100},
+    )

@@ -8,6 +8,8 @@ with the gradient sync deferred or overlapped, and after an OOM on one rank.
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from typing import Any
 
 import pytest
@@ -99,3 +101,57 @@ def test_an_oom_on_the_rank_with_short_sequences_is_retried_on_both_exactly(tmp_
     assert ranks[1]["fired"] and not ranks[0]["fired"]
     assert [r["oom_retries"] for r in ranks] == [1, 1]
     check(ranks, expected)
+
+
+def pad_scoring_padding(samples: list[dict[str, Any]], on: frozenset[int]) -> dict[str, Any]:
+    """`pad_right`, with ``labels = input_ids`` (no -100: the loss scores padding) in step batches holding ``on``."""
+    batch = pad_right(samples)
+    if on & set(batch["index"].tolist()):
+        batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
+class RecordsErrors(TinyCausalLM):
+    """Writes the error that ends this rank's step to ``error{rank}.txt`` (``ddp_spawn`` reports only the first)."""
+
+    def __init__(self, out_dir: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().optimizer_step(*args, **kwargs)
+        except BaseException as err:
+            path = os.path.join(self.out_dir, f"error{self.global_rank}.txt")
+            with open(path + ".part", "w") as f:
+                f.write(f"{type(err).__name__}: {err}")
+            os.replace(path + ".part", path)
+            raise
+
+
+@pytest.mark.parametrize("ranks_scoring_padding", [(0, 1), (1,)])
+def test_labels_that_score_padding_stop_every_rank_before_any_update(tmp_path, ranks_scoring_padding):
+    # labels = input_ids with no -100 on one or both ranks: the trim dropped the padding's terms silently. Now each
+    # such rank stops with the message, before any backward; the other rank stops with it through the agreement.
+    dataset = TokenSequences(LONG + SHORT, seed=3)
+    per_rank = [[list(range(0, 8))], [list(range(8, 16))]]
+    on = frozenset(i for r in ranks_scoring_padding for i in per_rank[r][0])
+    model = RecordsErrors(str(tmp_path), lr=LR)
+    callback = pinned_token_callback([])
+    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    trainer = h.make_trainer(tmp_path, [callback], strategy=ddp, devices=2, use_distributed_sampler=False)
+    loader = DataLoader(
+        dataset, batch_sampler=RankBatches(per_rank), collate_fn=functools.partial(pad_scoring_padding, on=on)
+    )
+    with pytest.raises(Exception, match=r"counts \d+ items in the step batch|Another rank failed"):
+        trainer.fit(model, loader)
+    errors = {}
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"error{rank}.txt")) as f:
+            errors[rank] = f.read()
+    for rank in range(2):
+        if rank in ranks_scoring_padding:
+            assert errors[rank].startswith("ValueError: `count_items` (CountTokens(key='labels', ignore_index=-100,")
+            assert "labels[attention_mask == 0] = -100" in errors[rank]
+        else:
+            assert errors[rank].startswith("RuntimeError: Another rank failed with an error that is not an out-of")

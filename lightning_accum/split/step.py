@@ -34,7 +34,7 @@ from lightning_accum.core.engine import AccumulationEngine
 from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
-from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats
+from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats, check_items_kept
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
@@ -259,6 +259,10 @@ class SplitStepRunner:
         else:
             micro_batches = engine.hooks.split(context.batch, self.size)
         counts = [engine.items(micro.batch, micro.size) for micro in micro_batches]
+        if self.cut is not None and engine.count_items is not None:
+            # Before any backward: a trim that cut scored positions (labels on padding) stops the step, on every rank
+            # through the agreement.
+            check_items_kept(engine.items(context.batch, self.step_batch_size), counts, engine.count_items)
         empty = _is_zero(counts)  # one host read per attempt, none when the counts are ints
         self.largest_samples = max((micro.size for micro in micro_batches), default=0)
         # Ranks whose step batches differ run different numbers of micro-batches: no `k` is shared, so the weights

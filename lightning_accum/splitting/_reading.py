@@ -90,15 +90,20 @@ _PLAIN = (str, int, float, bool, bytes, type(None))
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def read_batch(batch: Any, size: int | None = None, source: str = "", verb: str = "count") -> Reading:
+def read_batch(
+    batch: Any, size: int | None = None, source: str = "", verb: str = "count", shared: frozenset[str] = frozenset()
+) -> Reading:
     """The reading of ``batch`` with the most preferred lists, of ``size`` samples if given (from ``source``).
 
-    ``verb`` (``"count"`` or ``"split"``) says what the caller was doing, for the error messages.
+    ``verb`` (``"count"`` or ``"split"``) says what the caller was doing, for the error messages. The parts at the
+    paths in ``shared`` (``"batch['weights']"``, see `name_paths`) are read as shared, whatever their shape.
     """
-    flat = flat_size(batch)
+    flat = flat_size(batch) if not shared else None
     if flat is not None and size in (None, flat):
         return Reading(flat, classify(batch), frozenset())
     root = classify(batch)
+    if shared:
+        root = mark_shared(root, shared)
     readings = combine([readings_of(root)])
     if size is not None:
         at_size = [o for o in readings if o.size == size]
@@ -178,6 +183,37 @@ def classify(obj: Any) -> Node:
         names = tuple(f.name for f in dataclasses.fields(obj))
         return _container(Kind.DATACLASS, obj, names, [getattr(obj, name) for name in names])
     return Node(Kind.SHARED, obj, (), (), False)
+
+
+def name_paths(name: str | int) -> frozenset[str]:
+    """The paths a user's name of a part of the batch can mean, as `walk` writes them.
+
+    A str is a mapping key or an attribute at the top of the batch (``"labels"``), or a whole path that starts with
+    ``batch`` (``"batch['inputs']['ids']"``); an int is a position in a tuple batch.
+
+    Examples:
+        >>> sorted(name_paths("labels"))
+        ['batch.labels', "batch['labels']"]
+        >>> sorted(name_paths(1)), sorted(name_paths("batch['inputs']['ids']"))
+        (['batch[1]'], ["batch['inputs']['ids']"])
+    """
+    if isinstance(name, int):
+        return frozenset({f"batch[{name}]"})
+    if name == "batch" or name.startswith(("batch[", "batch.")):
+        return frozenset({name})
+    return frozenset({f"batch[{name!r}]", f"batch.{name}"})
+
+
+def mark_shared(root: Node, shared: frozenset[str], path: str = "batch") -> Node:
+    """The tree with its parts at the paths in ``shared`` read as shared values: given whole to every micro-batch."""
+    if path in shared:
+        return Node(Kind.SHARED, root.obj, (), (), False)
+    if not root.children:
+        return root
+    children = tuple(mark_shared(child, shared, child_path) for child_path, child in children_with_paths(root, path))
+    if all(new is old for new, old in zip(children, root.children, strict=True)):
+        return root
+    return Node(root.kind, root.obj, children, root.keys, any(child.holds_rows for child in children))
 
 
 def _sequence(obj: list[Any] | tuple[Any, ...]) -> Node:

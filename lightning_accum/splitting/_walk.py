@@ -50,20 +50,26 @@ class Pick:
     ``span`` says that the indices are ``order.indices[span]``, whose index tensor ``order`` already holds.
     """
 
-    __slots__ = ("_on_device", "samples", "span", "trim")
+    __slots__ = ("_on_device", "samples", "span", "trim", "trimmed")
 
     def __init__(
-        self, samples: slice | list[int], trim: SequenceTrim | None, span: tuple[RowOrder, slice] | None = None
+        self,
+        samples: slice | list[int],
+        trim: SequenceTrim | None,
+        span: tuple[RowOrder, slice] | None = None,
+        trimmed: frozenset[Node] | None = None,
     ) -> None:
         self.samples = samples
         self.trim = trim
         self.span = span
+        self.trimmed = trimmed  # the only nodes the trim shortens, where it names its fields
         self._on_device: dict[torch.device, Tensor] = {}  # the indices as a tensor, made once per device
 
-    def of_rows(self, obj: Any) -> Any:
+    def of_rows(self, obj: Any, node: Node | None = None) -> Any:
         """The picked rows of a tensor or array with the batch on dim 0 (trimmed first: less to copy)."""
         trim = self.trim
-        if trim is not None and trim.to_length != trim.from_length and trim.applies_to(obj):
+        named = self.trimmed is None or node in self.trimmed
+        if trim is not None and named and trim.to_length != trim.from_length and trim.applies_to(obj):
             if isinstance(obj, Tensor):
                 obj = obj.narrow(trim.sequence_dim, 0, trim.to_length)
             else:
@@ -92,7 +98,7 @@ def take(node: Node, pick: Pick, entries: frozenset[Node]) -> Any:
     """The part of ``node`` that ``pick`` takes: the one walker behind every cut."""
     kind = node.kind
     if kind is Kind.ROWS:
-        return pick.of_rows(node.obj)
+        return pick.of_rows(node.obj, node)
     if kind is Kind.SHARED:
         return node.obj
     if kind is Kind.SEQUENCE:

@@ -55,19 +55,21 @@ class BatchHooks:
             return batch_size_of(batch)
         return _check_count(self.batch_size_of(batch), f"`batch_size_of` ({self.batch_size_of_source})")
 
-    def plan(self, batch: Any) -> BatchPlan:
+    def plan(self, batch: Any, shared: frozenset[str] = frozenset()) -> BatchPlan:
         """The built-in rules' `BatchPlan` of ``batch``, read at the number of samples these hooks count.
 
         Without a ``batch_size_of`` hook this is `batch_size_of`'s own reading; with one, the reading that gives the
-        hook's count. The ``split_batch`` hook plays no part: the plan cuts by the built-in rules.
+        hook's count. The ``split_batch`` hook plays no part: the plan cuts by the built-in rules. The parts at the
+        paths in ``shared`` are shared by all samples (see `lightning_accum.splitting.plan_batch`).
 
         Raises:
             TypeError: as `batch_size` does, or the batch is an object the built-in rules can't cut.
             ValueError: as `batch_size` does, or the batch can't be read as that many samples.
         """
         if self.batch_size_of is None:
-            return _plan(batch, None, "", "count")
-        return _plan(batch, self.batch_size(batch), f"`batch_size_of` ({self.batch_size_of_source})", "split")
+            return _plan(batch, None, "", "count", shared)
+        source = f"`batch_size_of` ({self.batch_size_of_source})"
+        return _plan(batch, self.batch_size(batch), source, "split", shared)
 
     def split(self, batch: Any, micro_batch_size: int) -> list[MicroBatch]:
         """Cut ``batch`` into micro-batches of at most ``micro_batch_size`` samples, with their sizes.

@@ -56,6 +56,8 @@ class SequenceTrim:
         sequence_dim: the dimension that holds the sequence (``1`` for ``(batch, sequence, ...)``), at least 1.
         from_length: the padded length of the batch's sequence fields.
         to_length: the length they keep, from 0 to ``from_length``.
+        fields: the paths of the only tensors that are sequence fields (``"batch['input_ids']"``, as
+            `BatchPlan.roles` writes them); ``None`` reads every tensor of rows with that length as one.
 
     Raises:
         TypeError: an argument is not an int.
@@ -70,6 +72,7 @@ class SequenceTrim:
     sequence_dim: int
     from_length: int
     to_length: int
+    fields: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         check_int(self.sequence_dim, "sequence_dim", 1, hint="Dim 0 holds the samples; the sequence is on another.")
@@ -105,13 +108,14 @@ class BatchPlan:
         [2, 2, 1]
     """
 
-    __slots__ = ("_batch", "_entries", "_root", "_size")
+    __slots__ = ("_batch", "_entries", "_root", "_size", "_trimmed")
 
     def __init__(self, batch: Any, reading: Reading) -> None:
         self._batch = batch
         self._size = reading.size
         self._root = reading.root
         self._entries = reading.entries
+        self._trimmed: dict[frozenset[str], frozenset[Node]] = {}  # the nodes of a trim's named fields, found once
 
     @property
     def batch(self) -> Any:
@@ -150,7 +154,7 @@ class BatchPlan:
                 f"`trim` must be a SequenceTrim or None, got {trim!r} of type {type(trim).__name__}. Pass e.g."
                 " `SequenceTrim(sequence_dim=1, from_length=padded_length, to_length=longest_taken)`."
             )
-        return self._take(Pick(as_selection(indices, self._size), trim))
+        return self._take(Pick(as_selection(indices, self._size), trim, trimmed=self._named_fields(trim)))
 
     def take_span(self, order: RowOrder, positions: range, *, trim: SequenceTrim | None = None) -> Any:
         """`take` of the samples ``order.indices[positions]``, from an order that several cuts share.
@@ -161,9 +165,10 @@ class BatchPlan:
         """
         span = slice(positions.start, positions.stop)
         samples = as_selection(order.indices[span], self._size)
+        trimmed = self._named_fields(trim)
         if isinstance(samples, slice):  # consecutive and ascending: views, as `take` gives them
-            return self._take(Pick(samples, trim))
-        return self._take(Pick(samples, trim, (order, span)))
+            return self._take(Pick(samples, trim, trimmed=trimmed))
+        return self._take(Pick(samples, trim, (order, span), trimmed=trimmed))
 
     def split(self, micro_batch_size: int) -> list[MicroBatch]:
         """Consecutive micro-batches of ``micro_batch_size`` samples (the last may be smaller): views, not copies.
@@ -194,6 +199,10 @@ class BatchPlan:
         """The tensors (and arrays) of the batch that are cut along dim 0, in the batch's order."""
         return [node.obj for _, role, node in _parts(self._root, "batch", self._entries) if role == "rows"]
 
+    def row_paths(self) -> dict[str, Any]:
+        """The tensors (and arrays) of the batch that are cut along dim 0, by path (``"batch['input_ids']"``)."""
+        return {path: node.obj for path, role, node in _parts(self._root, "batch", self._entries) if role == "rows"}
+
     def sequence_fields(self, sequence_dim: int, length: int) -> list[str]:
         """The paths of the sequence fields: the tensors with rows whose dim ``sequence_dim`` has size ``length``.
 
@@ -219,6 +228,16 @@ class BatchPlan:
     def __repr__(self) -> str:
         return f"BatchPlan(size={self._size}, roles={self.roles()})"
 
+    def _named_fields(self, trim: SequenceTrim | None) -> frozenset[Node] | None:
+        """The nodes a trim with named ``fields`` shortens; ``None`` where it names none (every one of the length)."""
+        if trim is None or trim.fields is None:
+            return None
+        nodes = self._trimmed.get(trim.fields)
+        if nodes is None:
+            nodes = frozenset(node for path, node in walk(self._root) if path in trim.fields)
+            self._trimmed[trim.fields] = nodes
+        return nodes
+
     def _take(self, pick: Pick) -> Any:
         try:
             return take(self._root, pick, self._entries)
@@ -231,12 +250,14 @@ class BatchPlan:
             ) from error.cause
 
 
-def plan_batch(batch: Any, *, batch_size: int | None = None) -> BatchPlan:
+def plan_batch(batch: Any, *, batch_size: int | None = None, shared: frozenset[str] = frozenset()) -> BatchPlan:
     """Read ``batch`` once into a `BatchPlan`: its number of samples, and which of its parts are per-sample.
 
     Args:
         batch: the step batch: a tensor or any nesting of mappings, sequences, namedtuples and dataclasses.
         batch_size: the number of samples, when a hook already knows it; the batch is read to match it.
+        shared: the paths of parts shared by all samples whatever their shape (``"batch['class_weights']"``): given
+            whole to every micro-batch, and no evidence of the number of samples.
 
     Raises:
         TypeError: the batch is an object the built-in rules can't cut, or holds nothing that tells its size.
@@ -248,7 +269,7 @@ def plan_batch(batch: Any, *, batch_size: int | None = None) -> BatchPlan:
         >>> plan.size, plan.roles()
         (4, {'batch': 'entries'})
     """
-    return _plan(batch, batch_size, "the `batch_size=` argument", "split")
+    return _plan(batch, batch_size, "the `batch_size=` argument", "split", shared)
 
 
 def num_micro_batches(step_batch_size: int, micro_batch_size: int) -> int:
@@ -319,7 +340,7 @@ def split_batch(batch: Any, micro_batch_size: int, *, batch_size: int | None = N
     return [micro.batch for micro in plan_batch(batch, batch_size=batch_size).split(micro_batch_size)]
 
 
-def _plan(batch: Any, size: int | None, source: str, verb: str) -> BatchPlan:
+def _plan(batch: Any, size: int | None, source: str, verb: str, shared: frozenset[str] = frozenset()) -> BatchPlan:
     """The plan of ``batch`` at ``size`` samples (from ``source``), or at the size the batch states or shows."""
     if size is not None:
         check_int(size, "batch_size", minimum=0)
@@ -329,7 +350,7 @@ def _plan(batch: Any, size: int | None, source: str, verb: str) -> BatchPlan:
         if verb == "count":
             read_batch(batch, size, source, verb)  # counting speaks first: why the batch has no size, if it has none
         raise TypeError(_NOT_CUT.format(name=type(batch).__name__))
-    return BatchPlan(batch, read_batch(batch, size, source, verb))
+    return BatchPlan(batch, read_batch(batch, size, source, verb, shared))
 
 
 def _parts(node: Node, path: str, entries: frozenset[Node]) -> Iterator[tuple[str, str, Node]]:
