@@ -138,7 +138,7 @@ def test_labels_that_score_padding_stop_every_rank_before_any_update(tmp_path, r
     on = frozenset(i for r in ranks_scoring_padding for i in per_rank[r][0])
     model = RecordsErrors(str(tmp_path), lr=LR)
     callback = pinned_token_callback([])
-    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    ddp = h.ddp_strategy()
     trainer = h.make_trainer(tmp_path, [callback], strategy=ddp, devices=2, use_distributed_sampler=False)
     loader = DataLoader(
         dataset, batch_sampler=RankBatches(per_rank), collate_fn=functools.partial(pad_scoring_padding, on=on)
