@@ -2,21 +2,24 @@
 
 A language-model step batch holds sequences of very different lengths, right-padded to the longest. Memory and
 compute follow the *padded tokens* of a micro-batch (samples x longest length), not its number of samples. With
-`PaddedSequences`, `lightning_accum.AutoMicroBatching` cuts each step batch as `TokenCut` does:
+`PaddedSequences`, `lightning_accum.AutoMicroBatching` cuts each step batch as
+`lightning_accum.split.tokens.TokenCut` does:
 
 1. the samples are ordered by length, longest first (a stable sort: equal lengths keep their order), so that a
    micro-batch holds sequences of similar length, and the longest sequences run first, where an out-of-memory error
    is still recoverable on every rank;
 2. consecutive samples share a micro-batch whose padded size stays within the token budget, cut where the step
-   computes the fewest padded tokens, each micro-batch counted as `MICRO_BATCH_COST`'s share of the budget more
-   (`TokenCut.groups`); a sequence longer than the budget gets a micro-batch of its own;
+   computes the fewest padded tokens, each micro-batch counted as
+   `lightning_accum.split.tokens.MICRO_BATCH_COST`'s share of the budget more (`TokenCut.groups`); a sequence
+   longer than the budget gets a micro-batch of its own;
 3. each micro-batch is trimmed to its own longest sequence in every *sequence field*: the fields named in
    ``fields``, or by default every tensor with the batch on dim 0 whose dim ``sequence_dim`` has the padded length
    (`lightning_accum.splitting.SequenceTrim`).
 
 Sorting is exact for losses that treat samples independently. Trimming is exact for right-padded models whose real
 positions do not attend to padding (causal LMs, and models that mask padding), and whose loss scores no padding: the
-step checks that the trimmed micro-batches hold as many items as the step batch (`check_items_kept`). Left padding
+step checks that the trimmed micro-batches hold as many items as the step batch
+(`lightning_accum.split.tokens.check_items_kept`). Left padding
 is refused: trimming it would move every real token to another position.
 
 Examples:
@@ -31,11 +34,9 @@ Examples:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,39 +45,20 @@ from torch import Tensor
 from lightning_accum._util.cli_types import ImportPath, PositiveInt
 from lightning_accum._util.validation import check_int, import_object
 from lightning_accum.items import lookup
+from lightning_accum.split.masks import mask_lengths, real_positions
+from lightning_accum.split.tokens import TokenCut
 from lightning_accum.splitting import (
     BatchHooks,
     BatchPlan,
-    MicroBatch,
-    RowOrder,
-    SequenceTrim,
-    plan_batch,
     resolve_batch_hooks,
 )
 from lightning_accum.splitting._reading import name_paths
-
-MICRO_BATCH_COST = 32
-"""A micro-batch costs as much as ``budget // MICRO_BATCH_COST`` padded tokens beyond its own (see `TokenCut.groups`).
-
-At 32, a step batch of 64 sequences log-normal around 40 tokens (capped at 256) at a budget of 8 x 256 runs in about 9
-micro-batches with 9% padding, against 3 with 35% when each micro-batch is filled to the budget
-(``examples/benchmarks/token_split.py``). A fraction of the budget, so the cut keeps its shape at every scale.
-"""
-
-_SHORT_WINDOW = 48  # `TokenCut.groups` takes the minimum over a window of up to this many stops in Python
 
 LengthsFn = Callable[[Any], Any]
 """``lengths(batch)``: each sample's length, a 1-D integer tensor, array or list of ints."""
 
 FieldName = str | int
 """A part of the batch: a mapping key or attribute (``"labels"``), a position in a tuple batch, or a whole path."""
-
-MASK_FORMS = (
-    "a bool mask (True on real positions), an integer mask (0 on padding, 1 or any positive id on real positions), a"
-    " float 0/1 mask, or an additive float mask (0 on real positions, a negative number such as -1e9 or -inf on"
-    " padding)"
-)
-"""The masks `PaddedSequences(mask=...)` reads; any other is refused with this list."""
 
 _SEQUENCE_NAMES = frozenset(
     {
@@ -114,7 +96,8 @@ class PaddedSequences:
 
     Args:
         mask: where the mask is: a mapping key (``"attention_mask"``, the default when ``lengths`` is not given),
-            a position in a tuple batch, or an attribute name of a batch object. Read are `MASK_FORMS`.
+            a position in a tuple batch, or an attribute name of a batch object. Read are
+            `lightning_accum.split.masks.MASK_FORMS`.
         lengths: ``lengths(batch)`` returns each sample's length (a 1-D integer tensor, array or list), or the import
             path of such a function; instead of ``mask``.
         sequence_dim: the dimension that holds the sequence in the sequence fields (1 for ``(batch, sequence)``).
@@ -192,7 +175,7 @@ class PaddedSequences:
         if self.lengths_fn is not None:
             return _checked_lengths(self.lengths_fn(batch), self._lengths_given)
         mask = self._mask(batch)
-        return _mask_lengths(mask, self.mask, self.sequence_dim)
+        return mask_lengths(mask, self.mask, self.sequence_dim)
 
     def padded_length(self, batch: Any, plan: BatchPlan, lengths: Tensor) -> int:
         """The length the batch's sequence fields are padded to (see the class docstring).
@@ -301,7 +284,7 @@ class PaddedSequences:
         if self.lengths_fn is not None and "attention_mask" not in self.padding:
             mask = _find(batch, "attention_mask")
             if isinstance(mask, Tensor) and mask.ndim > self.sequence_dim and mask.shape[self.sequence_dim] == padded:
-                real = _real_positions(mask, "attention_mask", self.sequence_dim)
+                real = real_positions(mask, "attention_mask", self.sequence_dim)
                 if real.shape[0] == len(lengths):
                     checks.append(("`batch['attention_mask']` marks a real token", real & past))
         for key, value in self.padding.items():
@@ -390,250 +373,6 @@ class PaddedSequences:
 
     def __hash__(self) -> int:
         return hash(self._key())
-
-
-@dataclass(frozen=True)
-class TokenStats:
-    """The padded and real tokens of one cut, on one rank."""
-
-    padded: int  # token positions computed: samples x longest length, summed over the micro-batches
-    real: int  # real tokens among them (the sequences' lengths)
-    largest: int  # padded tokens of the largest micro-batch
-    micro_batches: int
-
-
-class TokenCut:
-    """One step batch, read once and ordered by length, cut into micro-batches by a token budget (see the module).
-
-    Made by `PaddedSequences.cut`. A retry after an out-of-memory error cuts the same step batch again at a smaller
-    budget without reading it again.
-
-    Attributes:
-        plan: the step batch's `lightning_accum.splitting.BatchPlan`; ``None`` for a cut made only for its figures
-            (`stats`), as the probe's report makes one.
-        order: sample indices, longest sequence first.
-        lengths: the sequences' lengths in that order.
-        padded_length: what the batch's sequence fields are padded to.
-        sequence_dim: where the sequence is in them.
-    """
-
-    def __init__(
-        self,
-        plan: BatchPlan | None,
-        order: list[int],
-        lengths: list[int],
-        padded_length: int,
-        sequence_dim: int,
-        fields: frozenset[str] | None = None,
-        shared: frozenset[str] = frozenset(),
-    ) -> None:
-        self.plan, self.order, self.lengths = plan, order, lengths
-        self.padded_length, self.sequence_dim = padded_length, sequence_dim
-        self.fields, self.shared = fields, shared  # the paths of the named sequence fields and shared parts
-        self._groups: dict[int, list[range]] = {}  # by budget: `split` and `stats` cut alike, once
-
-    @property
-    def size(self) -> int:
-        """The step batch's samples."""
-        return len(self.order)
-
-    @property
-    def longest(self) -> int:
-        """The longest sequence's length (at least 1): the smallest micro-batch that holds it has this many tokens."""
-        return max(1, self.lengths[0]) if self.lengths else 1
-
-    @property
-    def tokens(self) -> int:
-        """Padded tokens of the whole step batch in one micro-batch trimmed to its longest sequence."""
-        return self.size * self.longest
-
-    def groups(self, budget: int) -> list[range]:
-        """Positions in `order` of each micro-batch at a budget of ``budget`` padded tokens, longest first.
-
-        Of the cuts into consecutive samples, each within the budget (a sequence longer than it alone), this is the
-        one that computes the fewest padded tokens, counting every micro-batch as ``budget // MICRO_BATCH_COST``
-        tokens more: what a micro-batch costs beyond its tokens (its passes' fixed work, and a smaller one's lower
-        efficiency). Filling each micro-batch to the budget instead pads a long-tailed step batch by a third: its
-        longest sequences differ too much to share one. Ties go to fewer micro-batches. A shortest path over the
-        sorted lengths, once per budget: ``O(n * min(n, budget / shortest))`` additions, vectorized (a step batch of
-        4096 short sequences at 65,536 tokens takes about 0.1 s on one CPU core, 64 sequences 0.3 ms).
-
-        Examples:
-            >>> cut = TokenCut(None, [0, 1, 2, 3, 4], [9, 4, 4, 3, 1], 9, 1)
-            >>> [list(g) for g in cut.groups(8)]  # 9 > 8 runs alone; then 2 of 4; 3 and 1 apart pad nothing
-            [[0], [1, 2], [3], [4]]
-            >>> [list(g) for g in cut.groups(160)]  # 5 tokens a micro-batch: 4 x 4 + 5 beats 3 x 4 + 5 + 1 + 5
-            [[0], [1, 2, 3, 4]]
-        """
-        budget = check_int(budget, "budget", 1)
-        if budget in self._groups:
-            return self._groups[budget]
-        overhead, lengths, n = budget // MICRO_BATCH_COST, self.lengths, len(self.order)
-        cost, end = [0] * (n + 1), [n] * (n + 1)  # the cheapest cut of positions start.. n, and its first stop
-        costs = torch.zeros(n + 1, dtype=torch.int64)  # `cost` again, for the long windows' vectorized minimum
-        for start in range(n - 1, -1, -1):
-            longest = max(1, lengths[start])  # sorted: the first is the group's longest
-            last = min(n, start + max(1, budget // longest))
-            if last - start <= _SHORT_WINDOW:
-                # -stop: of equal costs, the longest micro-batch (fewest of them) wins
-                best, stop = min((overhead + (e - start) * longest + cost[e], -e) for e in range(start + 1, last + 1))
-                cost[start], end[start] = best, -stop
-            else:  # the same minimum over a window of thousands, in one pass: flipped, so that a tie takes the last
-                window = costs[start + 1 : last + 1] + longest * torch.arange(1, last - start + 1)
-                back = int(torch.argmin(window.flip(0)))
-                cost[start], end[start] = overhead + int(window[-1 - back]), last - back
-            costs[start] = cost[start]
-        groups, start = [], 0
-        while start < n:
-            groups.append(range(start, end[start]))
-            start = end[start]
-        self._groups[budget] = groups
-        return groups
-
-    def split(self, batch: Any, budget: int) -> list[MicroBatch]:
-        """The micro-batches of ``batch`` at ``budget`` padded tokens each, longest first, each trimmed.
-
-        ``batch`` is the step batch, or a copy of it with the same structure (the pre-flight's fake one): the lengths
-        are the step batch's.
-        """
-        # The fake copy holds as many samples as the step batch: read at that size, as a user's `batch_size_of`
-        # hook read the step batch.
-        plan = (
-            self.plan
-            if self.plan is not None and batch is self.plan.batch
-            else plan_batch(batch, batch_size=self.size, shared=self.shared)
-        )
-        order = RowOrder(self.order)  # one index tensor per device for the whole step, not one per micro-batch
-        micro_batches = []
-        for group in self.groups(budget):
-            longest = max(1, self.lengths[group.start])
-            trim = SequenceTrim(self.sequence_dim, self.padded_length, longest, self.fields)
-            micro_batches.append(MicroBatch(plan.take_span(order, group, trim=trim), len(group)))
-        return micro_batches
-
-    def stats(self, budget: int) -> TokenStats:
-        """The padded and real tokens the micro-batches at ``budget`` compute."""
-        groups = self.groups(budget)
-        padded = [len(g) * max(1, self.lengths[g.start]) for g in groups]
-        return TokenStats(sum(padded), sum(self.lengths), max(padded, default=0), len(groups))
-
-    def batch_size(self, batch: Any) -> int:
-        """The step batch's samples (what the pre-flight asks a cutter)."""
-        return self.size
-
-
-def _mask_lengths(mask: Any, where: str | int | None, sequence_dim: int) -> Tensor:
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"`PaddedSequences(mask={where!r})` expects a tensor mask at batch[{where!r}], got"
-            f" {type(mask).__name__}. Point `mask` at the attention mask, or pass `lengths=`."
-        )
-    if mask.ndim <= sequence_dim:
-        raise ValueError(
-            f"`PaddedSequences(mask={where!r}, sequence_dim={sequence_dim})`: the mask has shape {tuple(mask.shape)},"
-            f" with no dim {sequence_dim}. Pass the `sequence_dim` of the sequence."
-        )
-    present = _real_positions(mask, where, sequence_dim)
-    positions = torch.arange(1, present.shape[1] + 1)
-    lengths = (present * positions).amax(dim=1)  # the last real position, plus one; 0 for an empty sample
-    left_padded = ~present[:, 0] & (lengths > 0)
-    if bool(left_padded.any()):
-        row = int(left_padded.nonzero()[0, 0])
-        raise ValueError(
-            f"`PaddedSequences(mask={where!r})`: sample {row} of the step batch is left-padded (its mask starts with 0"
-            f" and has a 1 later: {present[row].int().tolist()[:16]}...). Split mode trims padding on the right;"
-            " trimming it on the left would move every real token to another position. Pad on the right (Hugging"
-            " Face: `tokenizer.padding_side = 'right'`)."
-        )
-    return lengths.to(torch.int64)
-
-
-def _real_positions(mask: Tensor, where: str | int | None, sequence_dim: int) -> Tensor:
-    """Where ``mask`` (one of `MASK_FORMS`) marks a real token: ``[samples, positions]`` bools on the CPU.
-
-    Any other mask is refused for what it is. An all-zero float mask reads as additive (every position real): a step
-    batch of empty samples is not a float 0/1 mask's likely meaning.
-    """
-    values = mask.detach()
-    if values.dtype == torch.bool:
-        real = values
-    elif values.is_complex():
-        raise TypeError(_mask_error(where, f"a complex mask (dtype {values.dtype})"))
-    else:
-        numbers = values if values.is_floating_point() else values.to(torch.int64)
-        # One host read for the whole check: the smallest and largest value, any NaN, and whether all are 0 or 1.
-        zero_one = ((numbers == 0) | (numbers == 1)).all()
-        low, high, nan, binary = (
-            torch.stack(
-                [numbers.min(), numbers.max(), numbers.isnan().any().to(numbers.dtype), zero_one.to(numbers.dtype)]
-            ).tolist()
-            if numbers.numel()
-            else (0, 0, 0, 1)
-        )
-        if nan:
-            raise ValueError(_mask_error(where, "a mask holding NaN"))
-        if not values.is_floating_point():
-            if low < 0:
-                raise ValueError(_mask_error(where, f"an integer mask holding {int(low)} (below 0)"))
-            real = values != 0
-        elif binary:
-            real = values != 0
-        elif high <= 0:
-            real = values == 0  # additive: 0 where attention goes, a large negative number where it does not
-        else:
-            raise ValueError(
-                _mask_error(where, f"a float mask holding values from {low:g} to {high:g}, neither 0/1 nor additive")
-            )
-    other = [d for d in range(1, real.ndim) if d != sequence_dim]
-    if other:
-        real = real.any(dim=other)  # one flag per sample and position
-    return real.to("cpu")
-
-
-def _mask_error(where: str | int | None, what: str) -> str:
-    return (
-        f"`PaddedSequences(mask={where!r})` found {what} at batch[{where!r}]. It reads {MASK_FORMS}. Point `mask` at"
-        " such a mask, or pass `lengths=` (a function that returns each sample's length)."
-    )
-
-
-def check_items_kept(step_items: Any, micro_items: Sequence[Any], counter: Any) -> None:
-    """Refuse a step whose trimmed micro-batches hold fewer items than the step batch: the trim cut scored positions.
-
-    Split mode by tokens trims each micro-batch to its longest sequence; that is exact only if the positions it cuts
-    carry no item of the loss. ``step_items`` is what ``counter`` (the ``count_items``) finds in the untrimmed step
-    batch, ``micro_items`` what it finds in each trimmed micro-batch. One host read.
-
-    Raises:
-        ValueError: the counts differ: the loss scores padding (labels that are not ``-100`` there), and the update
-            would not be the full-batch one.
-
-    Examples:
-        >>> check_items_kept(torch.tensor(7), [torch.tensor(4), torch.tensor(3)], "count")
-        >>> check_items_kept(torch.tensor(9), [torch.tensor(4), torch.tensor(3)], "count")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `count_items` ('count') counts 9 items in the step batch, but 7 in its micro-batches trimmed ...
-    """
-    counts = [step_items, *micro_items]
-    tensors = [c for c in counts if isinstance(c, Tensor)]
-    if tensors:
-        device = tensors[0].device
-        values = torch.stack([torch.as_tensor(c, device=device, dtype=torch.float64).reshape(()) for c in counts])
-        step, *micro = values.tolist()
-    else:
-        step, *micro = (float(c) for c in counts)
-    kept = math.fsum(micro)
-    if math.isclose(step, kept, rel_tol=1e-6, abs_tol=1e-6):
-        return
-    raise ValueError(
-        f"`count_items` ({_name(counter)}) counts {step:g} items in the step batch, but {kept:g} in its micro-batches"
-        f" trimmed to their longest sequences: the trim cuts {step - kept:g} positions the loss scores (padding past"
-        " each micro-batch's longest sequence), so the update would not be the full-batch one. Set the"
-        " labels of padding to the ignore index (`labels[attention_mask == 0] = -100`; Hugging Face's"
-        " `DataCollatorForLanguageModeling` does), so that neither the loss nor `count_items` scores it; to score"
-        " padding on purpose, split by samples (no `sequences=`), which trims nothing."
-    )
 
 
 def _find(batch: Any, key: str) -> Any:

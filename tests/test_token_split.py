@@ -11,11 +11,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
-from lightning_accum import AutoMicroBatching, sequences
+from lightning_accum import AutoMicroBatching
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.sequences import MICRO_BATCH_COST, PaddedSequences, TokenCut
+from lightning_accum.sequences import PaddedSequences
+from lightning_accum.split import tokens
 from lightning_accum.split.planner_messages import MicroBatchOOMError
+from lightning_accum.split.tokens import MICRO_BATCH_COST, TokenCut
 from lightning_accum.splitting import SequenceTrim
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
@@ -94,7 +96,7 @@ def test_the_long_windows_vectorized_minimum_cuts_as_the_short_windows_loop(monk
     lengths = sorted(lognormal_lengths(300, seed=seed, median=6, cap=120), reverse=True)
     cuts = {}
     for short_window in (0, 10**9):  # every window vectorized, then none
-        monkeypatch.setattr(sequences, "_SHORT_WINDOW", short_window)
+        monkeypatch.setattr(tokens, "_SHORT_WINDOW", short_window)
         cut = TokenCut(None, list(range(300)), lengths, lengths[0], 1)
         cuts[short_window] = [[(r.start, r.stop) for r in cut.groups(budget)] for budget in (7, 64, 500, 2000, 9000)]
     assert cuts[0] == cuts[10**9]

@@ -39,7 +39,7 @@ from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_c
 from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
 from lightning_accum.memory.sizes import format_size
 from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
-from lightning_accum.sequences import PaddedSequences, TokenCut
+from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
 from lightning_accum.split.planner_settings import PlannerSettings
 from lightning_accum.split.planner_units import Tokens
@@ -52,6 +52,7 @@ from lightning_accum.split.sync import (
     resolve_gradient_sync,
     sync_policy,
 )
+from lightning_accum.split.tokens import TokenCut
 from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn
 
 __all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]

@@ -152,7 +152,7 @@ _tracing = 0  # a count, not a flag: a trace inside a trace (a test's, say) ends
 class MicroBatchCutter(Protocol):
     """What cuts the traced step batch: `lightning_accum.splitting.BatchHooks`, or a cut by tokens.
 
-    A cut by tokens (`lightning_accum.sequences.TokenCut`) takes token budgets for sizes.
+    A cut by tokens (`lightning_accum.split.tokens.TokenCut`) takes token budgets for sizes.
     """
 
     def split(self, batch: Any, micro_batch_size: int) -> list[MicroBatch]: ...

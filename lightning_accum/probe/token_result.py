@@ -10,7 +10,7 @@ from typing import Any
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import token_report
 from lightning_accum.probe.result import ProbeMeasurement
-from lightning_accum.sequences import TokenCut
+from lightning_accum.split.tokens import TokenCut
 
 
 @dataclass(frozen=True)

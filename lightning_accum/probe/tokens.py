@@ -39,7 +39,8 @@ from lightning_accum.probe.measure import _check_module, _Where, check_headroom
 from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory, module_factory
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.probe.token_result import TokenMeasurement, TokenProbeResult
-from lightning_accum.sequences import PaddedSequences, TokenCut
+from lightning_accum.sequences import PaddedSequences
+from lightning_accum.split.tokens import TokenCut
 from lightning_accum.splitting import SequenceTrim
 
 

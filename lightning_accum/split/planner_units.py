@@ -65,7 +65,7 @@ class Samples:
 class Tokens(Samples):
     """Sizes count padded tokens: the token budget of `lightning_accum.sequences.PaddedSequences` split mode.
 
-    The split cuts each step batch into micro-batches within the budget (`lightning_accum.sequences.TokenCut`), so a
+    The split cuts each step batch into micro-batches within the budget (`lightning_accum.split.tokens.TokenCut`), so a
     budget is used as it is, not balanced. Before each decision the caller sets `longest`, the step's longest
     sequence (the largest over ranks): it is the smallest useful budget, and the length the peak model costs.
 

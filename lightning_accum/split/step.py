@@ -34,10 +34,11 @@ from lightning_accum.core.engine import AccumulationEngine
 from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
-from lightning_accum.sequences import PaddedSequences, TokenCut, TokenStats, check_items_kept
+from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
+from lightning_accum.split.tokens import TokenCut, TokenStats, check_items_kept
 
 
 class Fault(IntEnum):

@@ -1103,7 +1103,8 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
 
     from lightning_accum import AutoMicroBatching
     from lightning_accum.items import CountTokens
-    from lightning_accum.sequences import PaddedSequences, TokenCut
+    from lightning_accum.sequences import PaddedSequences
+    from lightning_accum.split.tokens import TokenCut
     from tests.test_token_split_ddp import LONG, SHORT
     from tests.test_uneven_ranks import RankBatches
     from tests.token_models import TinyCausalLM, TokenSequences, pad_right
