@@ -195,7 +195,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._runner: SplitStepRunner | None = None  # one per fit, built at the start of training
         self._backend: MemoryBackend | None = None
         self._retries_at_start = 0
-        self._warned_unreachable = self._size_shrunk = False
+        self._size_shrunk = False
         self._decided: list[PlannerEvent] = []  # the last step's shrink or grow, logged when the next step starts
         self._warned_sample_count = False  # `_SAMPLE_COUNT_BY_TOKENS`, once per callback
         self._capacity_bytes = 0
@@ -218,9 +218,7 @@ class AutoMicroBatching(AccumulationOwner):
             raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
         _warn_about_batch_norm(pl_module)
         if not self._warned_sample_count:
-            self._warned_sample_count = _warn_about_the_sample_count(
-                self.sequences, self.count_items, self.loss_reduction
-            )
+            self._warned_sample_count = _warn_about_the_sample_count(self)
         _warn_about_overlap_waits(trainer, self.gradient_sync)
         self.engine.resolve_hooks(pl_module, split_batch=self._split_batch, batch_size_of=self._batch_size_of)
         self._claim(trainer)
@@ -322,9 +320,8 @@ class AutoMicroBatching(AccumulationOwner):
         assert runner is not None
         # The deferred sync summed the buffers over ranks; DDP's own sync averaged them. By tokens, the padded and
         # real tokens are summed over ranks in the same all-reduce as the window's counts.
-        self._closed = self._close_window(
-            trainer, optimizer, 1 if runner.policy.sums_gradients else None, runner.token_sums()
-        )
+        averaged_over = 1 if runner.policy.sums_gradients else None
+        self._closed = self._close_window(trainer, optimizer, averaged_over, runner.token_sums())
 
     @override
     def on_train_batch_end(
@@ -336,10 +333,9 @@ class AutoMicroBatching(AccumulationOwner):
         peak, size = figures.peak, figures.size
         planned = self.planner.on_step(size, peak, trainer.global_step, figures.alloc_retries)
         self._size_shrunk = planned < size
-        if self.planner.budget_unreachable is not None and not self._warned_unreachable:
-            # Shrinking cannot meet the budget (at the smallest size, or shrinks did not lower the peak): say it once.
-            self._warned_unreachable = True
-            rank_zero_warn(self.planner.budget_unreachable)
+        unreachable = self.planner.unreachable_warning()  # shrinking cannot meet the budget: said once
+        if unreachable is not None:
+            rank_zero_warn(unreachable)
         if self._closed is not None:
             closed, self._closed = self._closed, None
             tokens = _token_figures(size, closed) if self.sequences is not None else None
@@ -544,13 +540,11 @@ def _release_what_the_larger_size_held() -> None:
     release_cached_memory()
 
 
-def _warn_about_the_sample_count(
-    sequences: PaddedSequences | None, count_items: ItemCounter | None, loss_reduction: LossReduction
-) -> bool:
+def _warn_about_the_sample_count(callback: AutoMicroBatching) -> bool:
     """Warn where split by tokens counts samples for a mean loss (`_SAMPLE_COUNT_BY_TOKENS`); whether it warned."""
-    if sequences is None or count_items is not None or loss_reduction != "mean":
+    if callback.sequences is None or callback.count_items is not None or callback.loss_reduction != "mean":
         return False
-    rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=sequences))
+    rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=callback.sequences))
     return True
 
 

@@ -155,6 +155,7 @@ class MicroBatchPlanner:
         self._history = PlannerHistory()
         self.budget_unreachable: str | None = None
         """After `on_step`: why shrinking cannot bring the peak under the budget, or ``None``."""
+        self._said_unreachable = False
 
     # The settings as attributes, where the callback, the monitor and the CLI read them: `PlannerSettings` has them.
     micro_batch_size_setting = _FromSettings(lambda settings: settings.micro_batch_size)
@@ -216,6 +217,13 @@ class MicroBatchPlanner:
     def cooling_down_from(self, step: int) -> int | None:
         """The smallest size that failed recently: it and every larger size are off limits at ``step``."""
         return self._history.cooling_down_from(step)
+
+    def unreachable_warning(self) -> str | None:
+        """`budget_unreachable` the first time it is set, then ``None``: what to warn about, once per planner."""
+        if self.budget_unreachable is None or self._said_unreachable:
+            return None
+        self._said_unreachable = True
+        return self.budget_unreachable
 
     def take_events(self) -> list[PlannerEvent]:
         """Return the decisions recorded since the last call and forget them."""
@@ -279,7 +287,7 @@ class MicroBatchPlanner:
                 target = size // 2
             return self._change("shrink", size, target, step, "allocator retried on 2 consecutive steps")
 
-        if budget is None or peak >= self._low_mark(budget):
+        if budget is None or peak >= _low_mark(self.model, self.settings.low_watermark, budget):
             history.under = 0
             return self._current(size)
         history.under += 1
@@ -294,17 +302,11 @@ class MicroBatchPlanner:
         grown = _grow_target(size, peak, budget, allowed, cap, settings.predictive, self.model)
         if grown is None or grown <= self._limit:
             return self._current(size)
-        texts = format_sizes(peak, self._low_mark(budget))
+        texts = format_sizes(peak, _low_mark(self.model, self.settings.low_watermark, budget))
         reason = f"peak {texts[0]} < low watermark {texts[1]} for {settings.grow_patience} steps"
         return self._change("grow", size, grown, step, reason)
 
     # ---- internals ----------------------------------------------------------------------------------------------
-
-    def _low_mark(self, budget: float) -> float:
-        fixed = self.model.fixed_bytes if self.model.fitted() else None
-        if fixed is None or not 0 <= fixed < budget:
-            return self.settings.low_watermark * budget
-        return fixed + self.settings.low_watermark * (budget - fixed)
 
     def _initial_limit(self, step_batch_size: int) -> int:
         settings = self.settings
@@ -342,17 +344,8 @@ class MicroBatchPlanner:
             return None
         if history.shrink_start is None:
             history.shrink_start = (size, peak)
-        target = self._shrink_target(size, peak, budget)
+        target = _shrink_target(size, peak, budget, self.settings.predictive, self.model)
         return self._change("shrink", size, target, step, "peak {} > budget {}".format(*format_sizes(peak, budget)))
-
-    def _shrink_target(self, size: int, peak: float, budget: float) -> int:
-        if not self.settings.predictive:
-            return size // 2
-        if self.model.fitted():
-            return _fit_below(self.model, budget, size)
-        # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less
-        # than halving would.
-        return min(size // 2, math.floor(size * budget / peak))
 
     def _change(self, kind: PlannerEventKind, size: int, target: int, step: int, reason: str) -> int:
         before = self._current(size) if kind == "grow" else size
@@ -411,6 +404,25 @@ def _settings_from(
             " to change some of them."
         )
     return settings
+
+
+def _low_mark(model: PeakModel, low_watermark: float, budget: float) -> float:
+    """The peak under which the planner counts a step toward growing back (see the module docstring)."""
+    fixed = model.fixed_bytes if model.fitted() else None
+    if fixed is None or not 0 <= fixed < budget:
+        return low_watermark * budget
+    return fixed + low_watermark * (budget - fixed)
+
+
+def _shrink_target(size: int, peak: float, budget: float, predictive: bool, model: PeakModel) -> int:
+    """The size to shrink to from ``size`` after a peak over the budget."""
+    if not predictive:
+        return size // 2
+    if model.fitted():
+        return _fit_below(model, budget, size)
+    # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less than
+    # halving would.
+    return min(size // 2, math.floor(size * budget / peak))
 
 
 def _grow_target(

@@ -143,7 +143,7 @@ class SplitStepRunner:
             self.logs.replay(batch_size=self.step_batch_size)
         return context.make_result(loss, extra)
 
-    def token_sums(self) -> tuple[Tensor, ...]:
+    def token_sums(self) -> tuple[int, ...]:
         """The step's padded and real tokens (by tokens) to sum over ranks with the window's counts; else none."""
         return () if self.tokens is None else (self.tokens.padded, self.tokens.real)
 
