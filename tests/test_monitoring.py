@@ -29,16 +29,10 @@ from lightning_accum.monitor.metrics import (
     run_config,
     why_not_every_step,
 )
-from lightning_accum.monitor.monitoring import (
-    FitSummary,
-    LightningWindows,
-    MemoryReading,
-    RankMemory,
-    TrainingClock,
-    WeightedMean,
-    every_step_keys,
-    window_loss,
-)
+from lightning_accum.monitor.rows import every_step_keys
+from lightning_accum.monitor.summary import FitSummary
+from lightning_accum.monitor.totals import LightningWindows, MemoryReading, RankMemory, TrainingClock
+from lightning_accum.monitor.window_loss import WeightedMean, window_loss
 
 
 class FakeBackend:

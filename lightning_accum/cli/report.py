@@ -27,7 +27,7 @@ from lightning_accum.integrations.wandb import (
     layout_keys,
     read_offline_run,
 )
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -1,6 +1,6 @@
 """``AccumulationMonitor``: batch, memory, recovery and throughput figures at every optimizer step, to every logger.
 
-Glue only: the totals live in `lightning_accum.monitor.monitoring` and what is logged, shown and warned about is
+Glue only: the totals live in `lightning_accum.monitor.totals` and what is logged, shown and warned about is
 built in `lightning_accum.monitor.metrics`, both Trainer-free; this callback reads the Trainer and runs the collectives.
 """
 
@@ -32,7 +32,8 @@ from lightning_accum.monitor.metrics import (
     progress_bar_batch,
     run_config,
 )
-from lightning_accum.monitor.monitoring import LightningWindows, RankMemory, every_step_keys
+from lightning_accum.monitor.rows import every_step_keys
+from lightning_accum.monitor.totals import LightningWindows, RankMemory
 from lightning_accum.splitting import resolve_batch_hooks
 
 
@@ -45,7 +46,7 @@ class AccumulationMonitor(Callback):
     zero, on Lightning's own step axis: the step ``self.log`` and ``LearningRateMonitor`` use (the first step is 0).
     They also reach ``trainer.callback_metrics`` for ``ModelCheckpoint`` and ``EarlyStopping``: at a logging step,
     what the loggers got; at the other steps, what needs no collective and no host read (the batch figures, and on one
-    process the window loss so far: `lightning_accum.monitor.monitoring.every_step_keys`). Memory and throughput are
+    process the window loss so far: `lightning_accum.monitor.rows.every_step_keys`). Memory and throughput are
     figures of a logging interval; a ``ModelCheckpoint`` that would read one between logging steps is warned about.
     With a ``WandbLogger``, the keys are defined against ``trainer/global_step`` and the settings go into the run config
     under ``lightning_accum``. The device is synchronized at logging steps only (memory, the window loss, a few small

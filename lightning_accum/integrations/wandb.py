@@ -24,7 +24,7 @@ from lightning_accum.integrations.wandb_offline import (  # re-exported: tests, 
     iter_records,
     read_offline_run,
 )
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 
 if TYPE_CHECKING:
     from wandb_workspaces.workspaces import Workspace

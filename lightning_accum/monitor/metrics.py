@@ -1,7 +1,7 @@
 """What `lightning_accum.AccumulationMonitor` logs, shows and warns about, built from its totals. Pure: no Trainer.
 
 The callback reads the Trainer (its loggers, strategy and callbacks), runs the collectives, and passes plain values
-here: the totals of `lightning_accum.monitor.monitoring`, a `lightning_accum.core.step_report.StepReport`, a
+here: the totals of `lightning_accum.monitor.totals`, a `lightning_accum.core.step_report.StepReport`, a
 ``ModelCheckpoint``'s schedule. What comes back (metric dicts under the contract keys of `lightning_accum.keys`,
 progress-bar text, the run config, a warning) can be checked by hand.
 """
@@ -20,22 +20,10 @@ from lightning_accum.core.noise_scale import NoiseScale, NoiseScaleEstimator
 from lightning_accum.core.step_report import LossSum, StepReport
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.memory.budget import budget_fraction
-from lightning_accum.monitor.monitoring import (
-    LOGGED_KEYS,
-    FitSummary,
-    IntervalTotals,
-    LightningWindows,
-    MemoryReading,
-    RankMemory,
-    StepFigures,
-    TrainingClock,
-    WeightedMean,
-    event_metrics,
-    mean_loss,
-    step_metrics,
-    token_metrics,
-    window_loss,
-)
+from lightning_accum.monitor.rows import LOGGED_KEYS, StepFigures, event_metrics, step_metrics, token_metrics
+from lightning_accum.monitor.summary import FitSummary
+from lightning_accum.monitor.totals import IntervalTotals, LightningWindows, MemoryReading, RankMemory, TrainingClock
+from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, window_loss
 
 NOISE_SCALE_NEEDS_AN_OWNER = (
     "`AccumulationMonitor(gradient_noise_scale=True)` measures the noise scale from the exact window"
@@ -114,7 +102,7 @@ def logging_metrics(
     memory: MemoryReading,
     budget_bytes: int | None,
 ) -> dict[str, float]:
-    """The figures of a logging step (`lightning_accum.monitor.monitoring.StepFigures`), every input global already.
+    """The figures of a logging step (`lightning_accum.monitor.rows.StepFigures`), every input global already.
 
     Args:
         last: the report of the interval's last optimizer step (the batch figures describe it).
@@ -156,17 +144,17 @@ class EveryStepMetrics:
     """What goes into ``trainer.callback_metrics`` between logging steps, for ``ModelCheckpoint`` and ``EarlyStopping``.
 
     The figures a logging step would log, where they need no collective and no host read (the keys of
-    `lightning_accum.monitor.monitoring.every_step_keys`): host numbers, and the window loss as a tensor on its device.
+    `lightning_accum.monitor.rows.every_step_keys`): host numbers, and the window loss as a tensor on its device.
     ``callback_metrics`` keeps what is put there through training (the Trainer empties it before, at the start of a
     run and around the sanity check), so the batch figures come back only when they change: rarely split by samples,
     at most steps split by tokens (the step's micro-batches follow its lengths).
 
     Args:
-        wanted: the keys to publish, from `lightning_accum.monitor.monitoring.every_step_keys`.
+        wanted: the keys to publish, from `lightning_accum.monitor.rows.every_step_keys`.
         key_prefix: put in front of every key.
 
     Examples:
-        >>> from lightning_accum.monitor.monitoring import every_step_keys
+        >>> from lightning_accum.monitor.rows import every_step_keys
         >>> every = EveryStepMetrics(every_step_keys(has_owner=True, world_size=2, noise_scale=False))
         >>> report = StepReport("window", 4, 2, 8, 8.0, 8)
         >>> every.metrics(report, LossSum(), {})["accum/effective_batch_size"]
@@ -255,7 +243,7 @@ def late_reader_warnings(
         readers: each checkpoint's ``monitor``, ``every_n_train_steps`` (0: not by steps) and whether it also saves
             by training time.
         key_prefix: the monitor's ``key_prefix``.
-        every_step: the keys refreshed at every optimizer step (`lightning_accum.monitor.monitoring.every_step_keys`).
+        every_step: the keys refreshed at every optimizer step (`lightning_accum.monitor.rows.every_step_keys`).
         logging_every: the monitor's logging interval in optimizer steps (0: it never logs).
 
     Returns:
@@ -318,7 +306,7 @@ class AccumulationMetrics:
     The callback passes every optimizer step's `lightning_accum.core.step_report.StepReport` to `add`, puts what
     `between_logging_steps` returns into ``trainer.callback_metrics`` at the other steps, and at a logging step
     calls `logging_step` on every rank, hands its metrics to the loggers, then calls `new_interval`. At the end of
-    ``fit``, `finish` gives the `lightning_accum.monitor.monitoring.FitSummary`. The collectives come in as a
+    ``fit``, `finish` gives the `lightning_accum.monitor.summary.FitSummary`. The collectives come in as a
     `lightning_accum.core.engine.Ranks` (and a gather): on one process, ``Ranks()``.
 
     Args:
@@ -327,7 +315,7 @@ class AccumulationMetrics:
         log_noise_scale: log the noise-scale keys.
 
     Examples:
-        >>> from lightning_accum.monitor.monitoring import every_step_keys
+        >>> from lightning_accum.monitor.rows import every_step_keys
         >>> metrics = AccumulationMetrics()
         >>> metrics.setup(torch.device("cpu"))
         >>> metrics.start(every_step_keys(has_owner=True, world_size=1, noise_scale=False), has_owner=True)
@@ -377,7 +365,7 @@ class AccumulationMetrics:
         """Start a ``fit``: the new interval, the memory peak and the clock.
 
         Args:
-            every_step: the keys published between logging steps (`lightning_accum.monitor.monitoring.every_step_keys`).
+            every_step: the keys published between logging steps (`lightning_accum.monitor.rows.every_step_keys`).
             has_owner: a callback owns accumulation (its reports are global; otherwise they are this rank's).
             noise_in_use: the noise-scale average a schedule follows, logged instead of ``noise_scale``.
             last_report: the owner's report from before this ``fit`` (a second ``fit``), not counted again.

@@ -26,7 +26,7 @@ from lightning_accum.front_ends._owner import AccumulationOwner
 from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
 from lightning_accum.memory.backends import backend_for
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 from tests.helpers import IndexedDataset, RegressionModel, ddp_strategy, make_trainer
 
 GIB = 1024**3
@@ -634,7 +634,8 @@ def test_the_summary_peak_covers_the_steps_after_the_last_logging_step(tmp_path)
 
 def test_interval_totals_has_no_stray_add_peak():
     # Issue 20, item 8: a copy of `FitSummary.add_peak` that nothing called, and that raised AttributeError.
-    from lightning_accum.monitor.monitoring import FitSummary, IntervalTotals
+    from lightning_accum.monitor.summary import FitSummary
+    from lightning_accum.monitor.totals import IntervalTotals
 
     assert not hasattr(IntervalTotals(), "add_peak")
     summary = FitSummary()
@@ -768,7 +769,7 @@ def test_a_checkpoint_that_reads_an_interval_figure_between_logging_steps_is_war
     ],
 )
 def test_which_keys_are_there_at_every_step(owner, world_size, expected):
-    from lightning_accum.monitor.monitoring import every_step_keys
+    from lightning_accum.monitor.rows import every_step_keys
 
     assert set(every_step_keys(has_owner=owner, world_size=world_size, noise_scale=False)) == expected
     with_noise = every_step_keys(has_owner=True, world_size=world_size, noise_scale=True)
@@ -888,7 +889,7 @@ class RecordsReports(pl.Callback):
 def test_the_monitor_logs_what_its_trainer_free_core_makes_of_the_owners_reports(tmp_path):
     from lightning_accum.core.engine import Ranks
     from lightning_accum.monitor.metrics import AccumulationMetrics
-    from lightning_accum.monitor.monitoring import every_step_keys
+    from lightning_accum.monitor.rows import every_step_keys
 
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     recorder = RecordsReports()

@@ -21,7 +21,7 @@ from lightning_accum.integrations.wandb import (
     spec_metric_patterns,
 )
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 

@@ -16,7 +16,7 @@ from lightning_accum.cli.report import Series, build_figure, load_series, summar
 from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import find_run_file, layout_keys, read_offline_run
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 from tests.cli.helpers import assert_one_error_line, run_cli
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 

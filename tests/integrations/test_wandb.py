@@ -31,7 +31,7 @@ from lightning_accum.integrations.wandb import (
     spec_to_json,
 )
 from lightning_accum.integrations.wandb_offline import OfflineRun, find_run_file, iter_records, read_offline_run
-from lightning_accum.monitor.monitoring import BUDGET_FRACTION
+from lightning_accum.monitor.rows import BUDGET_FRACTION
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
 
