@@ -23,7 +23,7 @@ from lightning_accum._util.cli_types import (
     PositiveInt,
     SeveralMicroBatches,
 )
-from lightning_accum._util.validation import check_bool, check_choice, check_int, check_number
+from lightning_accum._util.validation import K_HINT, check_bool, check_choice, check_int, check_milestones, check_number
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
@@ -31,7 +31,6 @@ Rounding = Literal["error", "floor", "ceil", "nearest"]
 LRScaling = Literal["linear", "sqrt"]
 _UNITS = get_args(ScheduleUnit)
 _ROUNDINGS = get_args(Rounding)
-_K_HINT = "Use 1 to disable accumulation."
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class ConstantSchedule:
     """
 
     def __init__(self, accumulation_steps: PositiveInt) -> None:
-        self.k = check_int(accumulation_steps, "accumulation_steps", 1, hint=_K_HINT)
+        self.k = check_int(accumulation_steps, "accumulation_steps", 1, hint=K_HINT)
 
     def accumulation_steps(self, progress: Progress) -> int:
         return self.k
@@ -131,23 +130,7 @@ class StepwiseSchedule:
 
     def __init__(self, milestones: Milestones, unit: ScheduleUnit = "epoch") -> None:
         self.unit: ScheduleUnit = check_choice(unit, "unit", _UNITS)
-        if not isinstance(milestones, Mapping) or not milestones:
-            raise TypeError(
-                f"`schedule` must be a non-empty mapping {{{unit}: k}}, got {milestones!r}."
-                " Example: {0: 1, 4: 2} accumulates 2 micro-batches from the 4th on."
-            )
-        keys = list(milestones)
-        for key in keys:
-            if isinstance(key, bool) or not isinstance(key, int):
-                raise TypeError(f"`schedule` keys must be ints counting {unit}s, got key {key!r} in {milestones!r}.")
-            if key < 0:
-                raise ValueError(f"`schedule` keys must be >= 0, got key {key} in {dict(milestones)!r}.")
-            check_int(milestones[key], f"schedule[{key}]", 1, hint=_K_HINT)
-        if keys != sorted(keys) or len(set(keys)) != len(keys):
-            raise ValueError(
-                f"`schedule` keys must be strictly increasing, got {keys}. Write the mapping in {unit} order,"
-                f" e.g. {dict(sorted(milestones.items()))!r}."
-            )
+        keys = check_milestones(milestones, unit)
         # Copy: never keep a reference to what the user passed.
         self.milestones: dict[int, int] = {0: 1} if keys[0] != 0 else {}
         self.milestones.update({int(k): int(v) for k, v in milestones.items()})
@@ -508,7 +491,7 @@ def as_schedule(schedule: Any, unit: ScheduleUnit = "epoch") -> AccumulationSche
     if isinstance(schedule, bool):
         raise TypeError(f"`schedule` must be an int, a mapping, a schedule object or None, got {schedule!r}.")
     if isinstance(schedule, int):
-        check_int(schedule, "schedule", 1, hint=_K_HINT)
+        check_int(schedule, "schedule", 1, hint=K_HINT)
         return ConstantSchedule(schedule)
     if isinstance(schedule, Mapping):
         return StepwiseSchedule(schedule, unit=unit)

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from lightning_accum import _compat
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.tracker import CATEGORIES, MemoryTracker
+from lightning_accum.probe import table
 from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
 WORLD_SIZE = 2
@@ -301,7 +302,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
     for rank, runs in enumerate(ranks):
         for sync in SYNC_MODES:
-            print(probe_result(runs, rank, sync).table(), end="\n\n")
+            print(table(probe_result(runs, rank, sync)), end="\n\n")
     print(markdown(ranks))
 
 

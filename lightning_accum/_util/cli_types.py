@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from lightning_accum._util.validation import check_int, check_number, import_object
+from lightning_accum._util.validation import check_int, check_milestones, check_number, import_object
 from lightning_accum.memory.budget import check_max_memory
 
 if TYPE_CHECKING:
@@ -117,9 +117,7 @@ def _memory_size(value: Any) -> Any:
 
 
 def _milestones(value: Any) -> dict[int, int]:
-    from lightning_accum.schedules import StepwiseSchedule  # which imports this module for its own signature
-
-    StepwiseSchedule(value)  # its checks and messages: a non-empty mapping of ints to ints, keys increasing
+    check_milestones(value, "epoch")  # `StepwiseSchedule`'s checks and messages
     return dict(value)
 
 

@@ -236,3 +236,34 @@ def as_whole_number(value: Any) -> Any:
         if not value.is_complex() and value.dtype != torch.bool:
             return int(value.item())
     return value
+
+
+K_HINT = "Use 1 to disable accumulation."
+"""What every message about a bad ``k`` ends with."""
+
+
+def check_milestones(milestones: Any, unit: str) -> list[int]:
+    """Check a ``{progress: k}`` schedule (keys ints >= 0, strictly increasing; values ints >= 1); its keys in order.
+
+    Raises:
+        TypeError: ``milestones`` is not a non-empty mapping, or a key or value is not an int.
+        ValueError: a key is negative, the keys are not strictly increasing, or a ``k`` is < 1.
+    """
+    if not isinstance(milestones, Mapping) or not milestones:
+        raise TypeError(
+            f"`schedule` must be a non-empty mapping {{{unit}: k}}, got {milestones!r}."
+            " Example: {0: 1, 4: 2} accumulates 2 micro-batches from the 4th on."
+        )
+    keys = list(milestones)
+    for key in keys:
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"`schedule` keys must be ints counting {unit}s, got key {key!r} in {milestones!r}.")
+        if key < 0:
+            raise ValueError(f"`schedule` keys must be >= 0, got key {key} in {dict(milestones)!r}.")
+        check_int(milestones[key], f"schedule[{key}]", 1, hint=K_HINT)
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise ValueError(
+            f"`schedule` keys must be strictly increasing, got {keys}. Write the mapping in {unit} order,"
+            f" e.g. {dict(sorted(milestones.items()))!r}."
+        )
+    return keys

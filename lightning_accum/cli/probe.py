@@ -31,7 +31,7 @@ from lightning_accum.cli._common import CommandError, check_output_dir, int_at_l
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.fake import TARGETS
 from lightning_accum.memory.precision import PRECISIONS
-from lightning_accum.probe import import_object, load_cli_config, probe_memory, write_outputs
+from lightning_accum.probe import import_object, load_cli_config, present, probe_memory, write_outputs
 from lightning_accum.probe.resolve import check_init_args
 from lightning_accum.probe.tokens import probe_tokens
 from lightning_accum.sequences import PaddedSequences
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if not _raised_by_lightning_accum(err):
             raise
         raise CommandError(_with_flags(str(err))) from err
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    print(json.dumps(present.to_dict(result), indent=2) if args.json else present.table(result))
     if output_dir is not None:
         try:
             paths = write_outputs(result, output_dir)

@@ -21,7 +21,8 @@ fake tensors can't see). ``precision`` runs the steps as ``Trainer(precision=...
 
 The package's modules: ``resolve`` turns import paths, init args and LightningCLI configs into factories;
 ``measure`` runs the configurations; ``result`` holds what was measured; ``report`` turns it into sentences, a
-table, JSON, a plot and a snippet to paste; ``preflight`` fits ``peak(b)`` of a split-mode step from fake-tensor
+table, JSON, a plot and a snippet to paste (``present`` does so for either kind of result: `findings`, `table`,
+`to_dict`, `snippet`, `plot`, `write_outputs`); ``preflight`` fits ``peak(b)`` of a split-mode step from fake-tensor
 traces, for a cold start without out-of-memory errors. ``tokens`` (with ``token_result`` and ``token_report``) is the
 probe in tokens, for split mode by tokens: `probe_tokens` fits ``fixed + T (a + c L)`` at several sequence lengths
 and answers with a ``micro_batch_tokens``.
@@ -46,7 +47,7 @@ Examples:
 import torch  # noqa: F401  (the example above uses it)
 
 from lightning_accum.probe.measure import probe_memory
-from lightning_accum.probe.report import write_outputs
+from lightning_accum.probe.present import findings, plot, snippet, table, to_dict, write_outputs
 from lightning_accum.probe.resolve import import_object, load_cli_config
 from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 from lightning_accum.probe.token_result import TokenProbeResult
@@ -56,9 +57,14 @@ __all__ = [
     "ProbeMeasurement",
     "ProbeResult",
     "TokenProbeResult",
+    "findings",
     "import_object",
     "load_cli_config",
     "probe_memory",
+    "plot",
     "probe_tokens",
+    "snippet",
+    "table",
+    "to_dict",
     "write_outputs",
 ]

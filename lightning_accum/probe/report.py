@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -14,17 +13,6 @@ if TYPE_CHECKING:
     from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#c44e52"}
-
-
-def write_outputs(result: ProbeResult, output_dir: str | Path, stem: str = "probe") -> dict[str, Path]:
-    """Write ``<stem>.txt`` (the table), ``<stem>.json`` and ``<stem>.png`` into ``output_dir``; return the paths."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"txt": out / f"{stem}.txt", "json": out / f"{stem}.json", "png": out / f"{stem}.png"}
-    paths["txt"].write_text(result.table() + "\n")
-    paths["json"].write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    result.plot(paths["png"])
-    return paths
 
 
 # ---- sentences ------------------------------------------------------------------------------------------------------
@@ -230,8 +218,8 @@ def table(result: ProbeResult) -> str:
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines += ["", *(f"- {f}" for f in result.findings())]
-    paste = result.snippet()
+    lines += ["", *(f"- {f}" for f in findings(result))]
+    paste = snippet(result)
     if paste is not None:
         lines += ["", "Ready to paste (split mode):", paste]
     return "\n".join(lines)
@@ -271,8 +259,8 @@ def to_dict(result: ProbeResult) -> dict[str, Any]:
         "budget_bytes": result.budget_bytes,
         "headroom": result.headroom,
         "fitting_micro_batch_size": result.fitting_micro_batch_size,
-        "findings": result.findings(),
-        "snippet": result.snippet(),
+        "findings": findings(result),
+        "snippet": snippet(result),
     }
 
 

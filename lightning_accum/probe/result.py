@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lightning_accum.memory.model import LinearPeakModel
-from lightning_accum.probe import report
 
 
 @dataclass(frozen=True)
@@ -136,30 +134,6 @@ class ProbeResult:
                 }
             )
         return out
-
-    def findings(self) -> list[str]:
-        """The answers to the memory question, in plain sentences with the measured numbers."""
-        return report.findings(self)
-
-    def table(self) -> str:
-        """The measurements as a fixed-width text table (in one unit, picked from its peaks), then `findings`."""
-        return report.table(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything as JSON-serializable values (bytes as numbers)."""
-        return report.to_dict(self)
-
-    def snippet(self) -> str | None:
-        """Ready-to-paste ``AutoMicroBatching`` settings (Python and LightningCLI YAML) for the fitting size, if any."""
-        return report.snippet(self)
-
-    def plot(self, path: str | Path) -> Path:
-        """Write a PNG: stacked peak breakdown per configuration, and peak against ``b`` with the fitted line.
-
-        Raises:
-            ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
-        """
-        return report.plot(self, path)
 
     def __repr__(self) -> str:
         return f"ProbeResult(B={self.batch_size}, device={self.device!r}, {len(self.measurements)} configurations)"

@@ -323,9 +323,9 @@ def table(result: TokenProbeResult) -> str:
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
         *("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows),
         "",
-        *(f"- {f}" for f in result.findings()),
+        *(f"- {f}" for f in findings(result)),
     ]
-    paste = result.snippet()
+    paste = snippet(result)
     if paste is not None:
         lines += ["", "Ready to paste (split mode by tokens):", paste]
     return "\n".join(lines)
@@ -381,8 +381,8 @@ def to_dict(result: TokenProbeResult) -> dict[str, Any]:
         "fitting_tokens_by_length": {str(n): result.fitting_tokens_at(n) for n in result.lengths},
         "longest_alone": result.longest_alone(),
         "step_batch": None if cost is None else _cost_dict(cost),
-        "findings": result.findings(),
-        "snippet": result.snippet(),
+        "findings": findings(result),
+        "snippet": snippet(result),
     }
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from lightning_accum.memory.model import SequencePeakModel
-from lightning_accum.probe import token_report
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.split.tokens import TokenCut
 
@@ -271,30 +268,6 @@ class TokenProbeResult:
         )
 
     # ---- what it says ---------------------------------------------------------------------------------------------
-
-    def findings(self) -> list[str]:
-        """The fit, its check, the token budget that fits and what it costs the step batch, in sentences."""
-        return token_report.findings(self)
-
-    def table(self) -> str:
-        """The measurements as a fixed-width text table, then `findings` and `snippet`."""
-        return token_report.table(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything as JSON-serializable values (bytes as numbers)."""
-        return token_report.to_dict(self)
-
-    def snippet(self) -> str | None:
-        """Ready-to-paste ``AutoMicroBatching`` settings in tokens (Python and LightningCLI YAML), if a budget fits."""
-        return token_report.snippet(self)
-
-    def plot(self, path: str | Path) -> Path:
-        """Write a PNG: the passes' peak against ``T``, one line per length, with the budget.
-
-        Raises:
-            ModuleNotFoundError: if matplotlib is not installed (``pip install 'lightning-accum[report]'``).
-        """
-        return token_report.plot(self, path)
 
     def __repr__(self) -> str:
         return f"TokenProbeResult(B={self.batch_size}, device={self.device!r}, {len(self.measurements)} shapes)"

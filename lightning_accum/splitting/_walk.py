@@ -20,7 +20,7 @@ from lightning_accum._util.validation import as_whole_number
 from lightning_accum.splitting._reading import Kind, Node, is_array
 
 if TYPE_CHECKING:
-    from lightning_accum.splitting.plan import SequenceTrim
+    from lightning_accum.splitting.trim import SequenceTrim
 
 
 class RowOrder:

@@ -13,7 +13,7 @@ import torch
 from examples.char_lm.data import CharLMDataModule
 from examples.char_lm.model import CharLM
 from examples.llama8b.model import TINY, LlamaLM, tiny_tokens
-from lightning_accum.probe import ProbeResult, probe_memory
+from lightning_accum.probe import ProbeResult, present, probe_memory
 from tests.probe.models import ActHeavy, _Stack, regression_batch
 
 CHAR_LM = {"max_length": 128, "d_model": 64, "n_layers": 2, "n_heads": 4}
@@ -96,8 +96,8 @@ def test_meta_result_says_it_is_a_prediction():
         "bf16-true",
         0.1,
     )
-    table = result.table()
+    table = present.table(result)
     assert table.startswith("Predicted peak live tensor memory in KiB on meta (as cuda), bf16-true")
     assert "Not seen: the CUDA context" in table and "keeping 10% of it free" in table
-    assert result.to_dict()["target"] == "cuda"
+    assert present.to_dict(result)["target"] == "cuda"
     assert isinstance(torch.empty(0), torch.Tensor)  # fake mode was left: tensors are real again

@@ -8,15 +8,15 @@ import pytest
 
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.probe import ProbeMeasurement, ProbeResult, probe_memory, report
+from lightning_accum.probe import ProbeMeasurement, ProbeResult, present, probe_memory, report
 from tests.probe import models
 
 
 def test_table_dict_and_plot(act_heavy, tmp_path):
-    table = act_heavy.table()
+    table = present.table(act_heavy)
     assert "b=" not in table.splitlines()[1]  # header row
     assert "the micro-batch size, not k, sets activation memory" in table.lower()
-    data = json.loads(json.dumps(act_heavy.to_dict()))
+    data = json.loads(json.dumps(present.to_dict(act_heavy)))
     assert {(m["micro_batch_size"], m["accumulation_steps"]) for m in data["measurements"]} >= {
         (512, 1),
         (256, 2),
@@ -26,7 +26,7 @@ def test_table_dict_and_plot(act_heavy, tmp_path):
     }
     assert data["fit"]["holdout_relative_error"] == act_heavy.holdout_error
     assert [c["k"] for c in data["comparisons"]] == [2, 4]
-    png = act_heavy.plot(tmp_path / "probe.png")
+    png = present.plot(act_heavy, tmp_path / "probe.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -36,7 +36,7 @@ def test_snippet_is_ready_to_paste_in_python_and_yaml(act_heavy):
     from lightning_accum import AutoMicroBatching
 
     b = act_heavy.fitting_micro_batch_size
-    snippet = act_heavy.snippet()
+    snippet = present.snippet(act_heavy)
     python, _, config = snippet.partition("\n# or in a LightningCLI config:\n")
     callback = eval(python.split("  #")[0], {"AutoMicroBatching": AutoMicroBatching})
     assert isinstance(callback, AutoMicroBatching)
@@ -45,7 +45,7 @@ def test_snippet_is_ready_to_paste_in_python_and_yaml(act_heavy):
     assert entry["class_path"] == "lightning_accum.AutoMicroBatching"
     assert entry["init_args"]["micro_batch_size"] == b and parsed["data"]["batch_size"] == 512
     assert entry["init_args"]["max_memory"] == "2MiB" and AutoMicroBatching(**entry["init_args"]).max_memory == 2**21
-    assert "Ready to paste" in act_heavy.table() and act_heavy.to_dict()["snippet"] == snippet
+    assert "Ready to paste" in present.table(act_heavy) and present.to_dict(act_heavy)["snippet"] == snippet
 
 
 # ---- units per value, and a plot that agrees with the recommendation (issue 19, item 4) ------------------------------
@@ -62,16 +62,16 @@ def test_a_tiny_model_reads_in_kib_not_in_hundredths_of_a_mib():
     result = probe_memory(
         _Tiny, lambda b: models.regression_batch(b, 8), batch_size=8, accumulation_steps=(2,), budget_bytes=64 * 1024
     )
-    text = result.table()
+    text = present.table(result)
     header = text.splitlines()[0]
     print("\n" + text)
     assert "0.01 MiB" not in text and "0.00 MiB" not in text
     # 2 x (8 x 8 + 8) float parameters: 576 bytes, under a KiB
     assert header.startswith("Peak live tensor memory in KiB on cpu") and "parameters 576 B" in header
-    fit = next(line for line in result.findings() if line.startswith("Fitted peak(b)"))
+    fit = next(line for line in present.findings(result) if line.startswith("Fitted peak(b)"))
     assert fit.startswith(f"Fitted peak(b) = {format_size(result.peak_model.fixed_bytes)} + ")
     assert " KiB + " in fit or " B + " in fit
-    assert json.loads(json.dumps(result.to_dict()))["parameter_bytes"] == 576  # the JSON stays in bytes
+    assert json.loads(json.dumps(present.to_dict(result)))["parameter_bytes"] == 576  # the JSON stays in bytes
 
 
 def _llama8b_like(budget_bytes: float, headroom: float = 0.1) -> ProbeResult:
@@ -105,7 +105,7 @@ def _llama8b_like(budget_bytes: float, headroom: float = 0.1) -> ProbeResult:
 
 def test_8b_sized_figures_read_in_gib():
     result = _llama8b_like(141 * GiB)
-    text = result.table()
+    text = present.table(result)
     assert "177074.85" not in text and "MiB" not in text
     assert text.startswith("Predicted peak live tensor memory in GiB on meta (as cuda), bf16-true")
     assert "parameters 14.96 GiB" in text and "172.92" in text.splitlines()[2]
@@ -116,7 +116,7 @@ def test_8b_sized_figures_read_in_gib():
 def test_the_plot_draws_the_budget_the_recommendation_uses(budget_gib: float, headroom: float):
     result = _llama8b_like(budget_gib * GiB, headroom)
     b = result.fitting_micro_batch_size
-    assert f"the largest micro-batch that fits is b={b} " in result.table()
+    assert f"the largest micro-batch that fits is b={b} " in present.table(result)
     fig = report.figure(result)
     try:
         ax = fig.axes[1]

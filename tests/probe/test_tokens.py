@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_accum import AutoMicroBatching
 from lightning_accum.items import CountTokens
-from lightning_accum.probe import measure
+from lightning_accum.probe import measure, present
 from lightning_accum.probe.measure import _Where
 from lightning_accum.probe.resolve import module_factory
 from lightning_accum.probe.token_result import TokenMeasurement
@@ -96,7 +96,7 @@ def test_meta_predicts_what_the_cpu_measures():
     for measured, predicted in zip(cpu.measurements, meta.measurements, strict=True):
         torch.testing.assert_close(float(predicted.peak_bytes), float(measured.peak_bytes), rtol=0.05, atol=0)
     torch.testing.assert_close(meta.coefficients, cpu.coefficients, rtol=0.05, atol=1.0)
-    assert meta.device == "meta (as cpu)" and "Predicted on fake tensors" in meta.table()
+    assert meta.device == "meta (as cpu)" and "Predicted on fake tensors" in present.table(meta)
 
 
 def test_the_token_budget_is_the_largest_that_fits(eager):
@@ -119,16 +119,16 @@ def test_the_token_budget_is_the_largest_that_fits(eager):
 def test_budgets_that_fit_nothing_say_why(eager):
     overhead = eager.resident_overhead_bytes
     small = dataclasses.replace(eager, budget_bytes=eager.optimizer_peak_bytes - 1 + overhead)
-    assert small.fitting_micro_batch_tokens is None and small.snippet() is None
-    assert any("the optimizer step alone peaks at" in line for line in small.findings())
+    assert small.fitting_micro_batch_tokens is None and present.snippet(small) is None
+    assert any("the optimizer step alone peaks at" in line for line in present.findings(small))
     # A sequence of 64 does not fit.
     short = dataclasses.replace(eager, budget_bytes=eager.passes_bytes(64, 64) - 1 + overhead)
     assert short.fitting_tokens_at(64) is None and 32 <= short.longest_alone() < 64
-    line = next(line for line in short.findings() if "not even one sequence of L=64 fits" in line)
+    line = next(line for line in present.findings(short) if "not even one sequence of L=64 fits" in line)
     assert f"the longest sequence that fits alone has {short.longest_alone()} tokens" in line
     # The budget is then for the longest length that fits, and the snippet says what to do with longer sequences.
     assert short.recommended_length == 32 and short.fitting_micro_batch_tokens == short.fitting_tokens_at(32)
-    assert short.snippet().startswith(f"# No sequence over {short.longest_alone()} tokens fits even alone")
+    assert present.snippet(short).startswith(f"# No sequence over {short.longest_alone()} tokens fits even alone")
 
 
 def test_what_the_step_batch_costs_by_samples_and_by_tokens(eager):
@@ -147,12 +147,12 @@ def test_what_the_step_batch_costs_by_samples_and_by_tokens(eager):
 def test_one_length_cannot_separate_the_terms_and_says_so():
     result = probe_tokens(TokenLM, _data(), batch_size=8, sequence_lengths=(32,), fit_micro_batch_sizes=(1, 2, 4))
     assert result.coefficients[2] == 0 and result.holdout_error is None
-    assert any("cannot be told from the T term" in line and "two or more" in line for line in result.findings())
+    assert any("cannot be told from the T term" in line and "two or more" in line for line in present.findings(result))
 
 
 def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eager, monkeypatch):
     monkeypatch.setattr("sys.argv", ["probe"])  # LightningCLI warns when pytest's own argv would mix with `args`
-    python, _, config = eager.snippet().partition("# or in a LightningCLI config:\n")
+    python, _, config = present.snippet(eager).partition("# or in a LightningCLI config:\n")
     namespace: dict = {"AutoMicroBatching": AutoMicroBatching}
     exec(python.replace("AutoMicroBatching(", "callback = AutoMicroBatching(", 1), namespace)
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
@@ -179,7 +179,7 @@ def test_the_snippet_builds_the_callback_in_python_and_in_lightning_cli_yaml(eag
 
 
 def test_the_json_is_in_bytes(eager):
-    data = eager.to_dict()
+    data = present.to_dict(eager)
     fixed, a, c = eager.coefficients
     assert (data["fit"]["fixed_bytes"], data["fit"]["per_token_bytes"], data["fit"]["per_token_length_bytes"]) == (
         fixed,
@@ -206,11 +206,11 @@ def test_the_json_is_in_bytes(eager):
 
 
 def test_the_table_reads_in_one_unit_and_names_the_shapes(eager, tmp_path):
-    table = eager.table()
+    table = present.table(eager)
     assert table.startswith("Peak live tensor memory in MiB on cpu, 32-true, by tokens")
     assert table.count("held out") == len(eager.holdout_shapes) == 4
     assert "Ready to paste (split mode by tokens):" in table
-    assert eager.plot(tmp_path / "tokens.png").stat().st_size > 10_000
+    assert present.plot(eager, tmp_path / "tokens.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,9 @@ def test_on_the_cpu_the_budget_is_in_the_planners_own_measure_the_resident_set(e
     overhead = max(m.resident_passes_peak_bytes - m.passes_peak_bytes for m in eager.measurements)
     assert eager.resident_overhead_bytes == overhead > 0
     assert eager.usable_bytes == eager.budget_bytes - overhead
-    assert any("holds the process's peak resident set (VmHWM) to `max_memory`" in line for line in eager.findings())
+    assert any(
+        "holds the process's peak resident set (VmHWM) to `max_memory`" in line for line in present.findings(eager)
+    )
     # On fake tensors (no process to measure) the budget is live tensors, as before.
     meta = probe_tokens(TokenLM, _data(), **GRID, budget_bytes=MiB, device="meta")
     assert meta.measure == "live tensors" and meta.resident_overhead_bytes == 0 and meta.usable_bytes == MiB
