@@ -71,12 +71,12 @@ from lightning_accum.splitting.hooks import BatchHooks, BatchSizeFn, SplitBatchF
 from lightning_accum.splitting.plan import (
     BatchPlan,
     MicroBatch,
-    SequenceTrim,
     batch_size_of,
     num_micro_batches,
     plan_batch,
     split_batch,
 )
+from lightning_accum.splitting.trim import SequenceTrim
 
 __all__ = [
     "BatchHooks",
