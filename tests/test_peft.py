@@ -124,9 +124,7 @@ def callback(mode: str, devices: int) -> pl.Callback:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "devices", [1, pytest.param(2, marks=pytest.mark.ddp)], ids=["1-process", "2-ddp-ranks"]
-)
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.ddp)], ids=["1-process", "2-ddp-ranks"])
 @pytest.mark.parametrize("mode", ["window", "tokens"])
 def test_lora_update_is_one_full_batch_token_mean_and_the_base_is_frozen(tmp_path, mode, devices):
     split = mode == "tokens"
