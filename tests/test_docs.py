@@ -9,6 +9,7 @@ the rendered page does not show::
 
     <!-- docs-test: needs cuda -->      a CUDA device (``torch.cuda.is_available()``)
     <!-- docs-test: needs 8 gpus -->    at least that many CUDA devices (``torch.cuda.device_count()``)
+    <!-- docs-test: needs the ray package -->   an optional package (importable), which an extra installs
 
 The page's test runs every block without a marker; a marked block is a test of its own, skipped (with the reason)
 only where the hardware is missing, and run, after the page's blocks before it, where it is present. A marker this
@@ -19,6 +20,7 @@ for long trains a tiny model for a few steps, and what it shows must stay true a
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import os
 import re
 import shutil
@@ -34,7 +36,7 @@ PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<needs>.*?)\s*-->\s*$")
-_NEEDS = re.compile(r"^needs (?:(?P<cuda>cuda)|(?P<gpus>\d+) gpus)$")
+_NEEDS = re.compile(r"^needs (?:(?P<cuda>cuda)|(?P<gpus>\d+) gpus|the (?P<package>[\w.]+) package)$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Block:
             raise ValueError(f"{self.name}: unknown marker `docs-test: {self.needs}`; see tests/test_docs.py")
         if match["cuda"]:
             return None if torch.cuda.is_available() else "needs a CUDA device"
+        if match["package"]:
+            found = importlib.util.find_spec(match["package"]) is not None
+            return None if found else f"needs the {match['package']} package (an extra: see pyproject.toml)"
         wanted = int(match["gpus"])
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return None if found >= wanted else f"needs {wanted} CUDA devices, found {found}"
@@ -133,6 +138,7 @@ def test_the_collection_finds_every_block_and_reads_the_markers(tmp_path: Path) 
         "# A page\n\n```python\nx = 1\n```\n\n- in a list:\n\n    ```python\n    y = x + 1\n    ```\n\n"
         "```bash\necho not python\n```\n\n<!-- docs-test: needs 8 gpus -->\n```python\nz = 3\n```\n\n"
         "<!-- docs-test: needs a quantum computer -->\n```python\npass\n```\n"
+        "\n<!-- docs-test: needs the no_such_package_here package -->\n```python\npass\n```\n"
     )
     blocks = python_blocks(page)
     assert [(b.line, b.code, b.needs) for b in blocks] == [
@@ -140,11 +146,13 @@ def test_the_collection_finds_every_block_and_reads_the_markers(tmp_path: Path) 
         (9, "y = x + 1", ""),
         (18, "z = 3", "needs 8 gpus"),
         (23, "pass", "needs a quantum computer"),
+        (28, "pass", "needs the no_such_package_here package"),
     ]
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert blocks[2].missing() == (None if found >= 8 else f"needs 8 CUDA devices, found {found}")
     with pytest.raises(ValueError, match="unknown marker `docs-test: needs a quantum computer`"):
         blocks[3].missing()
+    assert blocks[4].missing() == "needs the no_such_package_here package (an extra: see pyproject.toml)"
 
 
 def test_every_marker_in_the_docs_is_known() -> None:
