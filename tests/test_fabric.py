@@ -84,7 +84,7 @@ def test_window_mode_is_the_full_window_token_mean_tail_included(schedule):
     assert acc.consumed_samples == 40 and acc.epoch == 2
 
 
-@pytest.mark.parametrize("bad", [0, -1, {0: 0}])
+@pytest.mark.parametrize("bad", [0, -1])
 def test_a_bad_k_raises_the_cores_error(bad):
     with pytest.raises(ValueError) as core:
         as_schedule(bad, "epoch")
@@ -105,6 +105,7 @@ def test_state_resumes_mid_epoch_through_fabric_save_and_load(tmp_path):
     acc = FabricAccumulation(fabric, model, optimizer, {0: 2, 1: 3}, unit="step", count_items=count_tokens)
     window_loop(acc, model, optimizer, reference, stop_after=2)  # 5 of 7 micro-batches run
     assert acc.batch_in_epoch == 5
+    saved = acc.state_dict()
     fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "acc": acc})
     with pytest.raises(RuntimeError, match="inside a window"):
         with acc.micro_batch(batch_of([0])):
@@ -113,7 +114,7 @@ def test_state_resumes_mid_epoch_through_fabric_save_and_load(tmp_path):
     fabric2, model2, optimizer2, _ = setup()
     acc2 = FabricAccumulation(fabric2, model2, optimizer2, {0: 2, 1: 3}, unit="step", count_items=count_tokens)
     fabric2.load(tmp_path / "ckpt", {"model": model2, "optimizer": optimizer2, "acc": acc2})
-    assert acc2.state_dict() == {**acc.state_dict(), "batch_in_epoch": 5} or acc2.batch_in_epoch == 5
+    assert acc2.state_dict() == saved
     window_loop(acc2, model2, optimizer2, reference)  # the rest of the epoch: the reference continues exactly
     assert acc2.optimizer_steps == 3 and acc2.consumed_samples == 20
 
