@@ -29,7 +29,8 @@ def sum_across_ranks_fn(trainer: HasRanks) -> Callable[[Tensor], Tensor] | None:
 
     def _sum(tensor: Tensor) -> Tensor:
         # NCCL needs the tensor on the rank's device; gloo is happy either way.
-        return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum").to(tensor.device)
+        summed: Tensor = strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum").to(tensor.device)
+        return summed
 
     return _sum
 
@@ -39,7 +40,8 @@ def max_across_ranks(trainer: HasRanks, tensor: Tensor) -> Tensor:
     if trainer.world_size <= 1:
         return tensor
     strategy = trainer.strategy
-    return strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
+    maximum: Tensor = strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
+    return maximum
 
 
 def all_reduce_gradients(
