@@ -18,17 +18,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor
 
 from lightning_accum import keys
+from lightning_accum._cli_types import MicroBatchSize
 from lightning_accum._compat import SplitStepContext
 from lightning_accum._compat import fabric as _fabric
 from lightning_accum._compat.fsdp2 import unsynced_gradients
 from lightning_accum._validation import check_int
+from lightning_accum.callbacks._owner import ranks_of
 from lightning_accum.distributed import max_across_ranks
-from lightning_accum.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
+from lightning_accum.engine import AccumulationEngine, ClosedWindow, HoldsEngine
 from lightning_accum.memory.backends import backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector
@@ -39,7 +42,7 @@ from lightning_accum.planner_settings import PlannerSettings
 from lightning_accum.planner_units import Tokens
 from lightning_accum.probe.preflight import preflight
 from lightning_accum.report import AccumulationEvent, LossSum, Mode, StepReport
-from lightning_accum.schedules import AccumulationSchedule, as_schedule, scale_learning_rates
+from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split_step import SplitStepRunner
 from lightning_accum.split_sync import FSDP2, DDPDeferred, DDPOverlap, GradientSync, SyncPolicy
@@ -62,7 +65,16 @@ class _FabricFrontEnd(HoldsEngine):
         self.events: list[AccumulationEvent] = []
         self.last_step_report: StepReport | None = None
         self.summary = FitSummary()
-        self.ranks = _ranks(fabric)
+        self.host = _fabric.FabricHost(fabric, model)
+        self.ranks = ranks_of(self.host)
+        own = {id(p) for p in model.parameters()}
+        if not all(id(p) in own for p in self._parameters()):
+            raise ValueError(
+                "`optimizer` holds parameters that are not `model`'s, so their gradients would never be weighed or"
+                " synced. Make the optimizer from the module `fabric.setup` returned; under `ModelParallelStrategy`"
+                " (`fully_shard` replaces the parameters) set up the module first: `model = fabric.setup_module(model)`"
+                ", then `optimizer = fabric.setup_optimizers(SGD(model.parameters()))`."
+            )
         self._pending: list[AccumulationEvent] = []
         self._backend = backend_for(fabric.device)
         self._clock = time.perf_counter()
@@ -168,12 +180,12 @@ class FabricAccumulation(_FabricFrontEnd):
         optimizer: Any,
         schedule: int | Mapping[int, int] | AccumulationSchedule = 1,
         *,
-        unit: str = "epoch",
+        unit: ScheduleUnit = "epoch",
         count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
         log_every_n_steps: int = 50,
     ) -> None:
-        engine = AccumulationEngine(count_items, loss_reduction, as_schedule(schedule, unit))  # type: ignore[arg-type]  # checked by as_schedule
+        engine = AccumulationEngine(count_items, loss_reduction, as_schedule(schedule, unit))
         super().__init__(fabric, model, optimizer, engine, log_every_n_steps)
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches of this epoch already run (restored on resume: `batches` skips them)
@@ -277,11 +289,11 @@ class FabricMicroBatching(_FabricFrontEnd):
         fabric: Fabric,
         model: Any,
         optimizer: Any,
-        micro_batch_size: int | str = "auto",
+        micro_batch_size: MicroBatchSize = "auto",
         *,
         max_memory: float | int | str | None = None,
         sequences: PaddedSequences | None = None,
-        micro_batch_tokens: int | str = "auto",
+        micro_batch_tokens: MicroBatchSize = "auto",
         count_items: ItemCounter | str | None = None,
         loss_reduction: LossReduction = "mean",
         gradient_sync: GradientSync | None = None,
@@ -298,10 +310,9 @@ class FabricMicroBatching(_FabricFrontEnd):
         self.planner = MicroBatchPlanner(PlannerSettings(size, **planner), unit=Tokens() if sequences else None)
         self.planner.budget_bytes = budget_bytes(check_max_memory(max_memory), self._backend.capacity_bytes())
         self.preflight = preflight
-        self.host = _fabric.FabricHost(fabric, model)
         self.policy = _policy(_fabric.sync_kind(fabric, model), self.host.strategy, fabric.world_size, gradient_sync)
         self.runner = SplitStepRunner(
-            self.host, self.engine, self.planner, self.policy, StepLogCombiner(_NoLog()), self._backend,
+            self.host, self.engine, self.planner, self.policy, StepLogCombiner(pl.LightningModule()), self._backend,
             on_oom=self._recovered, fault_injector=fault_injector, sequences=self.sequences,
         )  # fmt: skip
 
@@ -382,12 +393,6 @@ class _LossModule(torch.nn.Module):
         return self.loss_fn(self.model, batch)
 
 
-class _NoLog:
-    """Fabric has no ``self.log``: the split step's log combiner captures calls on this, which nothing makes."""
-
-    def log(self, *args: Any, **kwargs: Any) -> None: ...
-
-
 def _policy(kind: str, strategy: Any, world_size: int, gradient_sync: GradientSync | None) -> SyncPolicy:
     if kind == "fsdp2":
         if gradient_sync == "deferred":
@@ -396,13 +401,3 @@ def _policy(kind: str, strategy: Any, world_size: int, gradient_sync: GradientSy
     if kind == "single":
         return SyncPolicy(strategy)
     return DDPOverlap(strategy) if gradient_sync == "overlap" else DDPDeferred(strategy)
-
-
-def _ranks(fabric: Fabric) -> Ranks:
-    if fabric.world_size <= 1:
-        return Ranks()
-    return Ranks(
-        fabric.world_size,
-        lambda t: fabric.all_reduce(t.to(fabric.device), reduce_op="sum").to(t.device),  # type: ignore[union-attr]
-        lambda t: fabric.all_reduce(t.to(fabric.device), reduce_op="max").to(t.device),  # type: ignore[union-attr]
-    )

@@ -1,4 +1,4 @@
-"""The Fabric front ends on one process: exact against one full-batch pass, the core's errors, state, logging, litgpt."""
+"""The Fabric front ends on one process: exact against a full-batch pass, the core's errors, state, logging, litgpt."""
 
 from __future__ import annotations
 
@@ -96,8 +96,19 @@ def test_a_bad_k_raises_the_cores_error(bad):
 
 def test_a_module_not_set_up_is_refused():
     fabric = Fabric(accelerator="cpu", devices=1)
-    with pytest.raises(TypeError, match="`model` must be the module `fabric.setup` returned"):
+    with pytest.raises(TypeError, match=r"^`model` must be the module `fabric\.setup` returned"):
         FabricAccumulation(fabric, Net(), None, 2)
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    # Before: an optimizer made before `fully_shard` replaced the parameters ran, and split mode's first step died in
+    # `torch._foreach_mul_` ("Tensor list must have at least one tensor"); window mode weighed nothing.
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup_module(Net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(Net().parameters(), lr=0.1))
+    for front_end in (FabricAccumulation, FabricMicroBatching):
+        with pytest.raises(ValueError, match=r"^`optimizer` holds parameters that are not `model`'s.*setup_module"):
+            front_end(fabric, model, optimizer)
 
 
 def test_state_resumes_mid_epoch_through_fabric_save_and_load(tmp_path):

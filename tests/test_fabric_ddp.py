@@ -91,8 +91,11 @@ def _main(case: str) -> None:
     net = Net()
     reference = copy.deepcopy(net)
     lr = 0.1
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    model, optimizer = fabric.setup(net, optimizer)
+    if case == "split-fsdp2":  # `fully_shard` replaces the parameters: the optimizer is made from the sharded ones
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=lr))
+    else:
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=lr))
 
     def batch_of(indices):
         return {k: torch.stack([data[i][k] for i in indices]) for k in ("x", "y", "mask")}
@@ -111,12 +114,17 @@ def _main(case: str) -> None:
         # Rank 0's micro-batches hold 3 samples, rank 1's 1 (and tokens differ): 5 micro-batches per rank per epoch.
         sizes = [3, 1]
         per_rank = [list(range(0, 15)), list(range(15, 20))]
-        schedule = AdaptiveBatchSize(initial=2, maximum=4) if case == "window-adaptive" else {0: 2, 2: 3}
+        schedule = (
+            AdaptiveBatchSize(2, 4, warmup_windows=1, beta=0.5, factor=8.0)
+            if case == "window-adaptive"
+            else {0: 2, 2: 3}
+        )
         acc = FabricAccumulation(fabric, model, optimizer, schedule, unit="step", count_items=count_tokens)
         mine = per_rank[rank]
         loader = [mine[i : i + sizes[rank]] for i in range(0, len(mine), sizes[rank])]
         window: list[list[int]] = [[], []]
-        for epoch in range(2):
+        ks: list[int] = []
+        for _epoch in range(2):
             for position, indices in enumerate(acc.batches(loader)):
                 with acc.micro_batch(batch_of(indices)):
                     acc.backward(token_loss(model, batch_of(indices)))
@@ -124,13 +132,15 @@ def _main(case: str) -> None:
                     theirs = [per_rank[r][i : i + sizes[r]] for i in range(0, len(per_rank[r]), sizes[r])]
                     window[r].extend(theirs[position])
                 if acc.should_step:
+                    ks.append(acc.last_step_report.accumulation_steps)
                     check(window[0] + window[1], steps)
                     optimizer.step()
                     optimizer.zero_grad()
                     window, steps = [[], []], steps + 1
         assert acc.optimizer_steps == steps >= 4
         if case == "window-adaptive":
-            assert acc.engine.schedule.noise_scale is not None and acc.engine.schedule.noise_scale.windows > 0
+            assert acc.engine.schedule.noise_scale is not None and acc.engine.schedule.noise_scale.value().windows > 0
+            assert ks[0] == 2 and 4 in ks, ks  # k followed the measured noise scale: windows of 2, then of 4 (+ tails)
     else:
         # Rank 0's step batches hold 8 samples, rank 1's 4; OOMs on rank 1 in a forward and a backward.
         faults = OOMInjector([OOMFault(rank=1, step=1, micro_batch=0, phase="forward"),
@@ -145,6 +155,10 @@ def _main(case: str) -> None:
             micro_batch_tokens=16 if tokens else "auto",
         )  # fmt: skip
         sizes = [8, 4]
+        if case == "split-fsdp2":
+            from tests.test_fsdp2 import _CollectiveCounter
+
+            counter = _CollectiveCounter("reduce_scatter_single", "reduce_scatter_tensor")
         for step in range(4):
             starts = [step * 12, step * 12 + 8]
             step_indices = [list(range(starts[r], starts[r] + sizes[r])) for r in range(2)]
@@ -155,6 +169,8 @@ def _main(case: str) -> None:
         assert acc.oom_retries == len(faults.faults), (acc.oom_retries, faults.fired)
         if case == "split-deferred":
             assert acc.runner.gradient_allreduces == 4  # one bucketed all-reduce per step
+        if case == "split-fsdp2":  # one FSDP unit holds parameters (`layer`): one reduce-scatter per step, OOM or not
+            assert sum(counter.counts.values()) == 4, counter.counts
     flat = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
     gathered = fabric.all_gather(flat)
     torch.testing.assert_close(gathered[0], gathered[1])

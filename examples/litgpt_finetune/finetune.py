@@ -1,4 +1,4 @@
-"""Fine-tune a litgpt ``GPT`` (small ``Config``, no download) with `FabricMicroBatching`, split by tokens, on 2 CPU ranks.
+"""Fine-tune a litgpt ``GPT`` (a small ``Config``, no download) with `FabricMicroBatching` by tokens, on 2 CPU ranks.
 
 Install: ``pip install 'lightning-accum[litgpt]'`` (litgpt 0.5.13, with ``--no-deps`` if its pins clash). Run:
 ``python examples/litgpt_finetune/finetune.py`` (2 ranks; ``--devices 1`` for one). Beside a short fine-tuning run it

@@ -13,19 +13,17 @@ import contextlib
 from typing import Any
 
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
+from lightning.fabric.strategies.fsdp import FSDPStrategy
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from lightning.fabric.strategies.single_device import SingleDeviceStrategy
 from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_accum._compat.fsdp2 import fsdp2_modules
 from lightning_accum._compat._version import _check_version
+from lightning_accum._compat.fsdp2 import fsdp2_modules
 
 
 def wrapped_module(model: Any) -> nn.Module:
