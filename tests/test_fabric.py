@@ -166,3 +166,5 @@ def test_the_litgpt_recipe_measures_litgpts_error_and_ours():
     result = main(devices=1, steps=2)
     assert result["ours_error"] < 1e-5 < 0.05 < result["litgpt_error"]
     assert result["throughput"]["lightning_accum"]["padding"] < result["throughput"]["litgpt"]["padding"]
+    ours, theirs = result["throughput"]["lightning_accum"], result["throughput"]["litgpt"]
+    assert 0 < ours["activations_mib"] <= ours["peak_mib"] <= theirs["peak_mib"]  # measured, not argued
