@@ -43,10 +43,17 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
-from lightning_accum import AccumulationScheduler, AutoMicroBatching, ManualAccumulation
+from lightning_accum import (
+    AccumulationScheduler,
+    AutoMicroBatching,
+    FabricAccumulation,
+    FabricMicroBatching,
+    ManualAccumulation,
+)
 from lightning_accum.core.engine import AccumulationEngine, ScheduleDriver
 from lightning_accum.front_ends._owner import find_owner
 from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, Progress, StepwiseSchedule, as_schedule
@@ -707,3 +714,229 @@ def test_ranks_with_uneven_batches_agree_and_get_the_same_exact_update(tmp_path,
     assert ranks[0]["consumed"] == list(itertools.accumulate(map(len, windows)))
     expected = h.replay_reference(initial, dataset, windows, h.token_loss, lr=LR, lrs=ranks[0]["lrs"])
     h.assert_grads_close(ranks[0]["step_grads"], expected, **h.FP32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. the Fabric front ends: the same checks, through a Fabric loop instead of Trainer.fit
+# ---------------------------------------------------------------------------------------------------------------------
+class FabricRecorder(Recorder):
+    """`Recorder` in a Fabric loop: the loop calls its hooks where Lightning's would, and gives it the front end."""
+
+    def __init__(self, split: bool = False) -> None:
+        super().__init__(split=split)
+        self.front_end: Any = None
+
+    @property
+    def engine(self) -> AccumulationEngine:
+        return self.front_end.engine
+
+    def clip_gradients(self, *args: Any, **kwargs: Any) -> None:
+        """No clipping is configured (and a Fabric loop has no Trainer to clip through)."""
+
+
+class FabricLoop:
+    """What the checks use of a Trainer, for a Fabric loop: ``fit(model, loader, ckpt_path=)`` and ``global_step``.
+
+    Window mode is the loop `docs/fabric.md` shows; split mode hands each loader batch to ``step``. ``save`` writes
+    ``fabric.save`` where `SaveMidRun` would: at the end of epoch 0, or after epoch 1's second step.
+    """
+
+    def __init__(self, front_end: Any, max_epochs: int = 1, save: SaveMidRun | None = None) -> None:
+        self.front_end, self.max_epochs, self.save = front_end, max_epochs, save
+        self.epoch, self.batch_in_epoch = 0, 0  # split mode's position (window mode's is the front end's)
+
+    @property
+    def global_step(self) -> int:
+        return int(self.front_end.optimizer_steps)
+
+    def state(self) -> dict[str, Any]:
+        acc = self.front_end
+        return {"model": acc.model, "optimizer": acc.optimizer, "accumulation": acc, "loop": self}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+
+    def fit(self, model: FabricRecorder, loader: DataLoader, ckpt_path: Path | None = None) -> None:
+        acc = self.front_end
+        model.front_end = acc
+        if ckpt_path is not None:
+            acc.fabric.load(ckpt_path, self.state())
+        model.on_train_start()
+        window_mode = isinstance(acc, FabricAccumulation)
+        first_epoch = acc.epoch if window_mode else self.epoch
+        for epoch in range(first_epoch, first_epoch + self.max_epochs - (first_epoch if ckpt_path else 0)):
+            steps_before = self.global_step
+            batches = acc.batches(loader) if window_mode else self._split_batches(loader)
+            for index, batch in enumerate(batches):
+                if window_mode:
+                    with acc.micro_batch(batch):
+                        acc.backward(acc.model.training_step(batch, index))
+                else:
+                    model.on_train_batch_start(batch, index)
+                    acc.step(batch, lambda module, micro, i=index: module.training_step(micro, i))
+                if not window_mode or acc.should_step:
+                    model.configure_gradient_clipping(acc.optimizer)
+                    acc.optimizer.step()
+                    acc.optimizer.zero_grad()
+                    stepped = self.global_step - steps_before
+                    if self._saves("mid-epoch", epoch == 1 and stepped == 2):
+                        self._save()
+            self.epoch, self.batch_in_epoch = epoch + 1, 0
+            if self._saves("epoch end", epoch == 0):
+                self._save()
+
+    def _split_batches(self, loader: DataLoader) -> Any:
+        for index, batch in enumerate(loader):
+            if index >= self.batch_in_epoch:
+                self.batch_in_epoch = index + 1
+                yield batch
+
+    def _saves(self, where: str, now: bool) -> bool:
+        return self.save is not None and self.save.where == where and now and self.save.steps < 0
+
+    def _save(self) -> None:
+        assert self.save is not None
+        self.front_end.fabric.save(self.save.path, self.state())
+        self.save.steps = self.global_step
+
+
+class FabricFrontEnd(FrontEnd):
+    """A Fabric front end: built with its Fabric, module and optimizer; fitted by `FabricLoop`."""
+
+    def module(self, front_end: Any) -> FabricRecorder:
+        recorder: FabricRecorder = front_end.model.module
+        recorder.front_end = front_end
+        return recorder
+
+    def setup(self, split: bool = False) -> tuple[Fabric, Any, Any]:
+        fabric = Fabric(accelerator="cpu", devices=1)
+        recorder = FabricRecorder(split=split)
+        model, optimizer = fabric.setup(recorder, torch.optim.SGD(recorder.parameters(), lr=LR))
+        return fabric, model, optimizer
+
+    def trainer(self, root: Path, front_end: Any, *extra: Any, ddp: bool = False, **kwargs: Any) -> Any:
+        assert not ddp, "Fabric's DDP runs in tests/test_fabric_ddp.py (a launched script)"
+        save = next((e for e in extra if isinstance(e, SaveMidRun)), None)
+        return FabricLoop(front_end, kwargs.get("max_epochs", 1), save)
+
+    def run(self, root: Path, front_end: Any, *extra: Any, epochs: int = 1, model: Any = None, loader: Any = None,
+            ckpt_path: Path | None = None, ddp: bool = False) -> Run:  # fmt: skip
+        model = model if model is not None else self.module(front_end)
+        loop = self.trainer(root, front_end, *extra, max_epochs=epochs, ddp=ddp)
+        loop.fit(model, loader or self.loader(), ckpt_path=ckpt_path)
+        return Run(front_end, loop, model)
+
+
+class FabricWindow(FabricFrontEnd, WindowFrontEnd):
+    name = "FabricAccumulation"
+
+    def build(self, setting: Any) -> FabricAccumulation:
+        return FabricAccumulation(*self.setup(), setting, count_items=h.count_tokens)
+
+
+class FabricSplit(FabricFrontEnd, Split):
+    name = "FabricMicroBatching"
+
+    def build(self, setting: Any) -> FabricMicroBatching:
+        fabric, model, optimizer = self.setup(split=True)
+        return FabricMicroBatching(
+            fabric, model, optimizer, setting, grow_patience=3, predictive=False, count_items=h.count_tokens
+        )
+
+
+FABRIC_WINDOW, FABRIC_SPLIT = FabricWindow(), FabricSplit()
+FABRIC = [FABRIC_WINDOW, FABRIC_SPLIT]
+
+
+@pytest.mark.parametrize(
+    ("front_end", "case"),
+    [(fe, case) for fe in FABRIC for case in fe.bad_settings],
+    ids=[f"{fe}-{case}" for fe in FABRIC for case in fe.bad_settings],
+)
+def test_fabric_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
+    setting, windows = front_end.bad_settings[case]
+    expected = front_end.core_error(setting, windows)
+    refused = pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
+    if windows is None:
+        with refused:
+            front_end.build(setting)
+        return
+    built = front_end.build(setting)
+    model = front_end.module(built)
+    with refused:
+        front_end.run(tmp_path, built, model=model)
+    assert len(model.planned) == windows
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fabric_window_mode_follows_a_schedule_as_the_trainer_does(schedule_runs, schedule):
+    scheduler, fabric = (schedule_runs(fe, schedule) for fe in (SCHEDULER, FABRIC_WINDOW))
+    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
+        assert getattr(fabric.model, record) == getattr(scheduler.model, record), record
+    assert fabric.changes() == scheduler.changes()
+    h.assert_grads_close(fabric.model.step_grads, scheduler.model.step_grads, **h.FP32)
+    if isinstance(scheduler.engine.schedule.schedule, AdaptiveBatchSize):
+        torch.testing.assert_close(
+            dataclasses.astuple(fabric.engine.schedule.noise_scale.value()),
+            dataclasses.astuple(scheduler.engine.schedule.noise_scale.value()),
+        )
+
+
+def test_fabric_split_mode_plans_as_the_trainer_does(tmp_path):
+    trainer, fabric = (fe.run(tmp_path / fe.name, fe.build(2), epochs=EPOCHS) for fe in (SPLIT, FABRIC_SPLIT))
+    assert len(set(trainer.model.micro_batches)) > 1, "the micro-batch size must grow for this test to bite"
+    for record in ("micro_batches", "consumed", "lrs", "step_indices"):
+        assert getattr(fabric.model, record) == getattr(trainer.model, record), record
+    h.assert_grads_close(fabric.model.step_grads, trainer.model.step_grads, **h.FP32)
+
+
+FABRIC_ROUND_TRIPS = [(FABRIC_WINDOW, name) for name in SCHEDULES] + [(FABRIC_SPLIT, "micro-batch size 2, growing")]
+
+
+@pytest.mark.parametrize("where", ["epoch end", "mid-epoch"])
+@pytest.mark.parametrize(
+    ("front_end", "setting"), FABRIC_ROUND_TRIPS, ids=[f"{fe}-{name}" for fe, name in FABRIC_ROUND_TRIPS]
+)
+def test_fabric_a_run_resumed_from_fabric_load_continues_as_the_uninterrupted_one(tmp_path, front_end, setting, where):
+    save = SaveMidRun(tmp_path / "mid.ckpt", where)
+    full = front_end.run(tmp_path / "full", front_end.build(setting_for(front_end, setting)), save, epochs=EPOCHS)
+    fresh = front_end.build(setting_for(front_end, setting))
+    resumed = front_end.run(tmp_path / "resumed", fresh, epochs=EPOCHS, ckpt_path=save.path)
+
+    done = save.steps
+    assert 0 < done < len(full.model.micro_batches)
+    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
+    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
+    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
+        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
+    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
+    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
+    for name, value in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
+    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
+        full.front_end.state_dict()
+    )
+    if isinstance(full.engine.schedule.schedule, AdaptiveBatchSize):
+        assert resumed.engine.schedule.noise_scale.value() == full.engine.schedule.noise_scale.value()
+
+
+@pytest.mark.parametrize("front_end", FABRIC, ids=str)
+def test_fabric_one_front_end_runs_two_loops_in_one_process(tmp_path, front_end):
+    built = front_end.build(setting_for(front_end, "step-keyed StepwiseSchedule"))
+    model = front_end.module(built)
+    for fit in range(2):  # the same front end and module, one epoch each
+        start, done, first_step = FabricRecorder(), len(model.micro_batches), built.optimizer_steps
+        start.load_state_dict(model.state_dict())  # not a deepcopy: the recorder holds the front end, Fabric's objects
+        front_end.run(tmp_path / f"fit{fit}", built, model=model)
+        steps = model.step_indices[done:]
+        expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
+        h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
+        assert sum(len(indices) for indices in steps) == N
+        if front_end.window_mode:
+            assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
+            assert model.micro_batches[done:] == windows_of(model.planned[done:])
+    assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
+    assert built.engine.consumed_samples == model.consumed[-1] == 2 * N

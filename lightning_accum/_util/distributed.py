@@ -6,13 +6,22 @@ Each is a no-op at world size 1, and every rank must call them in the same order
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-import lightning.pytorch as pl
 from torch import Tensor
 
 
-def sum_across_ranks_fn(trainer: pl.Trainer) -> Callable[[Tensor], Tensor] | None:
+class HasRanks(Protocol):
+    """What the collectives read: Lightning's ``Trainer``, or `lightning_accum._compat.fabric.FabricHost` (Fabric)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def strategy(self) -> Any: ...  # has ``root_device`` and ``reduce(tensor, reduce_op=...)``
+
+
+def sum_across_ranks_fn(trainer: HasRanks) -> Callable[[Tensor], Tensor] | None:
     """A function that sums a small tensor over all ranks, or ``None`` on a single process."""
     if trainer.world_size <= 1:
         return None
@@ -20,17 +29,19 @@ def sum_across_ranks_fn(trainer: pl.Trainer) -> Callable[[Tensor], Tensor] | Non
 
     def _sum(tensor: Tensor) -> Tensor:
         # NCCL needs the tensor on the rank's device; gloo is happy either way.
-        return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum").to(tensor.device)
+        summed: Tensor = strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum").to(tensor.device)
+        return summed
 
     return _sum
 
 
-def max_across_ranks(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+def max_across_ranks(trainer: HasRanks, tensor: Tensor) -> Tensor:
     """Element-wise maximum over all ranks (the tensor itself on a single process)."""
     if trainer.world_size <= 1:
         return tensor
     strategy = trainer.strategy
-    return strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
+    maximum: Tensor = strategy.reduce(tensor.to(strategy.root_device), reduce_op="max").to(tensor.device)
+    return maximum
 
 
 def all_reduce_gradients(

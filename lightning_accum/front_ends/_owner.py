@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum._util.distributed import max_across_ranks, sum_across_ranks_fn
+from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.core.normalization import ItemCounter, LossReduction
@@ -221,8 +221,8 @@ class AccumulationOwner(HoldsEngine, Callback):
         self.oom_retries = int(state_dict.get("oom_retries", 0))
 
 
-def ranks_of(trainer: pl.Trainer) -> Ranks:
-    """The trainer's ranks and their small collectives, as the engine takes them."""
+def ranks_of(trainer: HasRanks) -> Ranks:
+    """The trainer's ranks and their small collectives, as the engine takes them (a Fabric host's too)."""
     if trainer.world_size <= 1:
         return Ranks()
     return Ranks(trainer.world_size, sum_across_ranks_fn(trainer), lambda t: max_across_ranks(trainer, t))

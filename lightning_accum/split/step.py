@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
 from lightning_accum import _compat
-from lightning_accum._util.distributed import max_across_ranks
+from lightning_accum._util.distributed import HasRanks, max_across_ranks
 from lightning_accum.core.engine import AccumulationEngine
 from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
@@ -39,6 +38,19 @@ from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
 from lightning_accum.split.tokens import TokenCut, TokenStats, check_items_kept
+
+
+class StepHost(HasRanks, Protocol):
+    """What the runner reads of its framework: the `Trainer`, or Fabric's (`lightning_accum._compat.fabric`)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def lightning_module(self) -> Any: ...  # the module whose parameters the step trains
 
 
 class Fault(IntEnum):
@@ -87,7 +99,7 @@ class SplitStepRunner:
     """Runs split mode's steps for one ``fit``: built at the start of training, called by Lightning as the closure.
 
     Args:
-        trainer: the Trainer.
+        trainer: the Trainer (or Fabric's stand-in for it, `lightning_accum._compat.fabric.FabricHost`).
         engine: the owner's accumulation engine (batch hooks, counting, weights).
         sequences: where the batch's sequences are, to cut by tokens (`lightning_accum.sequences`); ``None`` cuts by
             samples.
@@ -103,7 +115,7 @@ class SplitStepRunner:
 
     def __init__(
         self,
-        trainer: pl.Trainer,
+        trainer: StepHost,
         engine: AccumulationEngine,
         planner: MicroBatchPlanner,
         policy: SyncPolicy,
@@ -336,7 +348,7 @@ class SplitStepRunner:
         self.planner.unit.set_longest(self.cut.longest)
 
 
-def agreement_max(trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+def agreement_max(trainer: StepHost, tensor: Tensor) -> Tensor:
     """The agreement's one collective: the element-wise maximum over ranks (tests break the agreement here)."""
     return max_across_ranks(trainer, tensor)
 

@@ -1,0 +1,120 @@
+"""Lightning Fabric, seen as the split step and the sync policies see a ``Trainer``.
+
+Depends on ``lightning/fabric/wrappers.py`` (lightning 2.2 to 2.6): ``_FabricModule._forward_module`` is the module
+the strategy wrapped (``DistributedDataParallel`` under DDP, the ``fully_shard``-ed module under
+``ModelParallelStrategy``), and ``_FabricModule.module`` the user's own; and on ``lightning/fabric/strategies/``:
+``Strategy.all_reduce(tensor, reduce_op=...)``, ``Strategy.root_device`` and the strategy classes.
+``tests/test_fabric.py`` fails if one of them changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from lightning.fabric import Fabric
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
+from lightning.fabric.strategies.fsdp import FSDPStrategy
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from lightning.fabric.strategies.single_device import SingleDeviceStrategy
+from lightning.fabric.wrappers import _FabricModule
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_accum._compat._version import _check_version
+from lightning_accum._compat.fsdp2 import fsdp2_modules
+
+
+def wrapped_module(model: Any) -> nn.Module:
+    """What Fabric's strategy wrapped (DDP, or the FSDP2 module): the module gradients are synced through."""
+    _check_version()
+    if not isinstance(model, _FabricModule):
+        raise TypeError(
+            f"`model` must be the module `fabric.setup` returned, got {type(model).__name__}. Pass"
+            " `model = fabric.setup(model)` (or `fabric.setup_module`)."
+        )
+    forward: nn.Module = model._forward_module
+    return forward
+
+
+class FabricStrategyView:
+    """Fabric's strategy under the names the sync policies use of a Lightning ``Strategy``."""
+
+    def __init__(self, fabric: Fabric, model: Any) -> None:
+        self._strategy = fabric.strategy
+        self.model = wrapped_module(model)
+        self.world_size = fabric.world_size
+        self.root_device = fabric.device
+
+    @property
+    def process_group_backend(self) -> str | None:
+        backend: str | None = getattr(self._strategy, "_process_group_backend", None)
+        return backend
+
+    def reduce(self, tensor: Tensor, reduce_op: str = "sum") -> Tensor:
+        reduced: Tensor = self._strategy.all_reduce(tensor, reduce_op=reduce_op)
+        return reduced
+
+    def block_backward_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """DDP's ``no_sync``, as Lightning's ``DDPStrategy.block_backward_sync`` does (FSDP2 is the policy's)."""
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+
+class FabricHost:
+    """What `lightning_accum.split.step.SplitStepRunner` reads of a ``Trainer``, for a Fabric loop.
+
+    ``global_step`` is the front end's count of optimizer steps, set before each step.
+    """
+
+    def __init__(self, fabric: Fabric, model: Any) -> None:
+        self.strategy = FabricStrategyView(fabric, model)
+        self.world_size = fabric.world_size
+        self.global_rank = fabric.global_rank
+        self.global_step = 0
+        self.lightning_module: nn.Module = model.module  # the user's module: its parameters are the optimizer's
+
+
+def sync_kind(fabric: Fabric, model: Any) -> str:
+    """``"single"``, ``"ddp"`` or ``"fsdp2"``: how split mode syncs under Fabric's strategy.
+
+    Raises:
+        RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed, tensor parallelism, another one), or
+            ``ModelParallelStrategy`` on several ranks without ``fully_shard``.
+    """
+    strategy = fabric.strategy
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
+        raise RuntimeError(
+            f"`FabricMicroBatching` does not support Fabric's `{type(strategy).__name__}`. Use"
+            " `ModelParallelStrategy` with `torch.distributed.fsdp.fully_shard` (FSDP2), or `strategy='ddp'`."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        if strategy.device_mesh["tensor_parallel"].size() > 1:
+            raise RuntimeError(
+                "`FabricMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2): set"
+                " `tensor_parallel_size=1`."
+            )
+        if fabric.world_size > 1 and not fsdp2_modules(wrapped_module(model)):
+            raise RuntimeError(
+                "`FabricMicroBatching` under `ModelParallelStrategy` needs FSDP2: call"
+                " `torch.distributed.fsdp.fully_shard` on the model (or its layers) in the `parallelize_fn`."
+            )
+        return "fsdp2"
+    if isinstance(strategy, DDPStrategy):
+        return "ddp" if fabric.world_size > 1 else "single"
+    if isinstance(strategy, SingleDeviceStrategy):
+        return "single"
+    raise RuntimeError(
+        f"`FabricMicroBatching` supports single-device, DDP and `ModelParallelStrategy` (FSDP2) strategies, got"
+        f" {type(strategy).__name__}."
+    )
+
+
+def gradient_scale(fabric: Fabric) -> float:
+    """The factor 16-bit mixed precision multiplies the gradients by (``MixedPrecision.scaler``), else 1."""
+    scaler = getattr(fabric._precision, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    return float(scaler.get_scale())

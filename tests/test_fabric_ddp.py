@@ -1,0 +1,181 @@
+"""The Fabric front ends on 2 real gloo ranks: exact against one full-batch pass, ranks that differ, OOMs injected.
+
+Fabric's ``ddp`` strategy launches its ranks by re-running the script, so each case runs this file as a script in a
+subprocess of its own session, killed as a group at the timeout (a hang fails the test, and leaves no rank behind).
+Each rank checks every step's gradient against the full-batch reference over both ranks' samples, and that both
+ranks hold the same parameters; it prints ``OK rank <r>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+
+
+def run_ranks(case: str, tmp_path: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FABRIC_CASE": case}
+    proc = subprocess.Popen(
+        [sys.executable, __file__], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{case}: the ranks did not finish in {TIMEOUT} s (a hang):\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+CASES = ["window", "window-adaptive", "split-deferred", "split-overlap", "split-tokens", "split-fsdp2"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_exact(tmp_path, case):
+    out = run_ranks(case, tmp_path)
+    assert "OK rank 0" in out and "OK rank 1" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the ranks
+# ---------------------------------------------------------------------------------------------------------------------
+def _main(case: str) -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lightning_accum import FabricAccumulation, FabricMicroBatching
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+    from lightning_accum.schedules import AdaptiveBatchSize
+    from lightning_accum.sequences import PaddedSequences
+    from tests.helpers import TokenDataset, count_tokens
+
+    if case == "split-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        def parallelize(module, mesh):
+            fully_shard(module.layer, mesh=mesh["data_parallel"])
+            return fully_shard(module, mesh=mesh["data_parallel"])
+
+        strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    rank = fabric.global_rank
+    data = TokenDataset(48, seq_len=8, dim=5, seed=1)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(5, 1)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    def token_loss(model, batch):  # through `model(...)`: DDP syncs in its own forward, not in `model.layer`
+        per_token = (model(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+        return (per_token * batch["mask"]).sum() / batch["mask"].sum().clamp(min=1)
+
+    net = Net()
+    reference = copy.deepcopy(net)
+    lr = 0.1
+    if case == "split-fsdp2":  # `fully_shard` replaces the parameters: the optimizer is made from the sharded ones
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=lr))
+    else:
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=lr))
+
+    def batch_of(indices):
+        return {k: torch.stack([data[i][k] for i in indices]) for k in ("x", "y", "mask")}
+
+    def check(step_indices, steps=-1):  # both ranks' samples of the step, one full-batch token mean
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+        ref_opt.zero_grad()
+        token_loss(reference, batch_of(step_indices)).backward()
+        for p, r in zip(model.module.parameters(), reference.parameters(), strict=True):
+            got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(got, r.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {steps}: {m}")
+        ref_opt.step()
+
+    steps = 0
+    if case.startswith("window"):
+        # Rank 0's micro-batches hold 3 samples, rank 1's 1 (and tokens differ): 5 micro-batches per rank per epoch.
+        sizes = [3, 1]
+        per_rank = [list(range(0, 15)), list(range(15, 20))]
+        schedule = (
+            AdaptiveBatchSize(2, 4, warmup_windows=1, beta=0.5, factor=8.0)
+            if case == "window-adaptive"
+            else {0: 2, 2: 3}
+        )
+        acc = FabricAccumulation(fabric, model, optimizer, schedule, unit="step", count_items=count_tokens)
+        mine = per_rank[rank]
+        loader = [mine[i : i + sizes[rank]] for i in range(0, len(mine), sizes[rank])]
+        window: list[list[int]] = [[], []]
+        ks: list[int] = []
+        for _epoch in range(2):
+            for position, indices in enumerate(acc.batches(loader)):
+                with acc.micro_batch(batch_of(indices)):
+                    acc.backward(token_loss(model, batch_of(indices)))
+                for r in range(2):
+                    theirs = [per_rank[r][i : i + sizes[r]] for i in range(0, len(per_rank[r]), sizes[r])]
+                    window[r].extend(theirs[position])
+                if acc.should_step:
+                    ks.append(acc.last_step_report.accumulation_steps)
+                    check(window[0] + window[1], steps)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    window, steps = [[], []], steps + 1
+        assert acc.optimizer_steps == steps >= 4
+        if case == "window-adaptive":
+            assert acc.engine.schedule.noise_scale is not None and acc.engine.schedule.noise_scale.value().windows > 0
+            assert ks[0] == 2 and 4 in ks, ks  # k followed the measured noise scale: windows of 2, then of 4 (+ tails)
+    else:
+        # Rank 0's step batches hold 8 samples, rank 1's 4; OOMs on rank 1 in a forward and a backward.
+        faults = OOMInjector([OOMFault(rank=1, step=1, micro_batch=0, phase="forward"),
+                              OOMFault(rank=1, step=2, micro_batch=0, phase="backward")])  # fmt: skip
+        sync = {"split-deferred": "deferred", "split-overlap": "overlap"}.get(case)
+        if case == "split-fsdp2":
+            faults = OOMInjector([OOMFault(rank=1, step=1, micro_batch=0, phase="forward")])
+        tokens = case == "split-tokens"
+        acc = FabricMicroBatching(
+            fabric, model, optimizer, "auto" if tokens else 4, gradient_sync=sync, count_items=count_tokens,
+            fault_injector=faults, sequences=PaddedSequences(mask="mask") if tokens else None,
+            micro_batch_tokens=16 if tokens else "auto",
+        )  # fmt: skip
+        sizes = [8, 4]
+        if case == "split-fsdp2":
+            from tests.test_fsdp2 import _CollectiveCounter
+
+            counter = _CollectiveCounter("reduce_scatter_single", "reduce_scatter_tensor")
+        for step in range(4):
+            starts = [step * 12, step * 12 + 8]
+            step_indices = [list(range(starts[r], starts[r] + sizes[r])) for r in range(2)]
+            acc.step(batch_of(step_indices[rank]), token_loss)
+            check(step_indices[0] + step_indices[1])
+            optimizer.step()
+            optimizer.zero_grad()
+        assert acc.oom_retries == len(faults.faults), (acc.oom_retries, faults.fired)
+        if case == "split-deferred":
+            assert acc.runner.gradient_allreduces == 4  # one bucketed all-reduce per step
+        if case == "split-fsdp2":  # one FSDP unit holds parameters (`layer`): one reduce-scatter per step, OOM or not
+            assert sum(counter.counts.values()) == 4, counter.counts
+    flat = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    gathered = fabric.all_gather(flat)
+    torch.testing.assert_close(gathered[0], gathered[1])
+    print(f"OK rank {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    _main(os.environ["FABRIC_CASE"])
