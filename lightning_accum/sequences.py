@@ -39,6 +39,7 @@ from torch import Tensor
 
 from lightning_accum._cli_types import ImportPath, PositiveInt
 from lightning_accum._validation import check_int, import_object
+from lightning_accum.balanced_sampler import BalancedBatchSampler as BalancedBatchSampler  # next to PaddedSequences
 from lightning_accum.items import lookup
 from lightning_accum.splitting import (
     BatchHooks,
