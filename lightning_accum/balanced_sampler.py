@@ -33,8 +33,7 @@ class _Epoch:
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
-    """Draws each optimizer step's global batch of ``batch_size`` samples and yields this rank's share of it, the
-    shares dealt so that every rank's step costs about the same.
+    """Yields this rank's share of each optimizer step's global batch, dealt so every rank's step costs the same.
 
     For split mode (`lightning_accum.AutoMicroBatching`, where the DataLoader yields a rank's whole step batch). Each
     epoch's samples are permuted with ``seed + epoch`` (as ``DistributedSampler(shuffle=True)``), cut into global step
@@ -63,7 +62,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         seed: the permutation's seed (the epoch is added to it).
         drop_last: drop the epoch's last step batch when it holds fewer than ``batch_size`` samples. Kept, a last step
             batch with fewer samples than ranks takes samples from the epoch's first step batch, one a rank.
-        method: how to deal (`lightning_accum.balancing.partition`): ``"best"`` (the default: Karmarkar–Karp's deal
+        method: how to deal (`lightning_accum.balancing.partition`): ``"best"`` (the default: Karmarkar-Karp's deal
             or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or ``"greedy"``.
         quadratic: count ``length ** 2 / quadratic`` more per sample for attention (see
             `lightning_accum.balancing.sample_costs`); ``None`` counts tokens.

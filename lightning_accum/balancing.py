@@ -12,7 +12,7 @@ lengths, with no communication.
   on the number of ranks.
 - `sample_costs`: what a sample adds to its rank's step (its tokens, and attention's quadratic term if asked).
 - `partition`: a step batch cut into one part per rank, the most loaded part as close to the mean as the costs allow
-  (Karmarkar–Karp's largest differencing, or greedy longest-first to the lightest part).
+  (Karmarkar-Karp's largest differencing, or greedy longest-first to the lightest part).
 - `imbalance`: the slowest rank's cost over the mean rank's.
 
 Examples:
@@ -74,8 +74,8 @@ def partition(costs: Sequence[float], parts: int, method: Method = "best") -> li
     ``"karmarkar-karp"`` is the largest differencing method (Karmarkar and Karp, 1982; verl deals its batches so):
     every sample starts as a partial deal of its own, and the two partial deals whose largest and smallest parts are
     furthest apart merge, largest part with smallest. ``"greedy"`` gives each sample, longest first, to the lightest
-    part. ``"best"`` runs both and keeps the deal whose largest part is smaller (Karmarkar–Karp's on a tie): on
-    log-normal lengths Karmarkar–Karp is closer to the mean at 8 or more samples a part, greedy at 4 (where one long
+    part. ``"best"`` runs both and keeps the deal whose largest part is smaller (Karmarkar-Karp's on a tie): on
+    log-normal lengths Karmarkar-Karp is closer to the mean at 8 or more samples a part, greedy at 4 (where one long
     sequence often outweighs the mean, and the deal cannot do better than the longest sequence alone). All are
     deterministic (ties go to the lower position), and every part holds at least one sample when there are at least
     ``parts`` of them. Each part is returned in ascending order.

@@ -92,12 +92,12 @@ def test_the_global_batch_of_every_step_is_the_same_at_any_world_size(worlds):
 
     def global_steps(world: int) -> list[list[int]]:
         per_rank = rank_batches(lambda r: BalancedBatchSampler(lengths, 16, num_replicas=world, rank=r, seed=3), world)
-        return [sorted(sum(step, [])) for step in zip(*per_rank, strict=True)]
+        return [sorted(i for part in step for i in part) for step in zip(*per_rank, strict=True)]
 
     a, b = (global_steps(w) for w in worlds)
     assert a == b
     assert a == [sorted(batch) for batch in balancing.global_batches(100, 16, seed=3, epoch=0, drop_last=False)]
-    assert sorted(sum(a, [])) == list(range(100))  # the epoch: every sample once
+    assert sorted(i for step in a for i in step) == list(range(100))  # the epoch: every sample once
 
 
 def test_the_permutation_is_distributed_samplers_and_follows_seed_and_epoch():

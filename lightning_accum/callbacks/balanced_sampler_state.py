@@ -11,8 +11,7 @@ from lightning_accum.balanced_sampler import BalancedBatchSampler
 
 
 class BalancedSamplerState(pl.Callback):
-    """Saves how far into its epoch the training `lightning_accum.sequences.BalancedBatchSampler` is, in the
-    checkpoint, and starts a resumed run at the next step batch of that epoch.
+    """Saves how far into its epoch a `BalancedBatchSampler` is, and starts a resumed run at its next step batch.
 
     Lightning restarts a plain ``DataLoader`` at the start of its epoch on a mid-epoch resume (it restores the
     position only of a stateful loader's, such as ``torchdata``'s ``StatefulDataLoader``), so without this callback a
