@@ -47,6 +47,7 @@ class RandomDeal(BalancedBatchSampler):
 
 def ddp_run(tmp_path: Any, sampler: BalancedBatchSampler, faults: list[OOMFault]) -> list[dict[str, Any]]:
     """A fit on 2 DDP ranks with Lightning's defaults: it rebuilds ``sampler`` with its own DistributedSampler."""
+    tmp_path.mkdir(parents=True)  # the ranks save their runs there
     ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
     callback = pinned_token_callback(faults)
     trainer = h.make_trainer(tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2)
