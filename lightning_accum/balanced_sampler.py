@@ -66,6 +66,13 @@ class BalancedBatchSampler(Sampler[list[int]]):
             or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or ``"greedy"``.
         quadratic: count ``length ** 2 / quadratic`` more per sample for attention (see
             `lightning_accum.balancing.sample_costs`); ``None`` counts tokens.
+        micro_batch_tokens: the token budget split by tokens cuts each rank's share at (pass `AutoMicroBatching`'s
+            ``micro_batch_tokens``). Given, each rank's step is priced as its cut costs (a fixed ``pass_cost_tokens``
+            per micro-batch plus its padded tokens) and the deal by tokens is refined by moves and swaps
+            (`lightning_accum.balancing.refine`): tokens alone balance the tokens to about 1.01 but the compute only
+            to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
+        pass_cost_tokens: a micro-batch pass's fixed cost in tokens (`lightning_accum.balancing.PASS_COST_TOKENS`,
+            measured on a CPU, by default; measure yours as ``examples/benchmarks/rank_balance.py`` does).
         sampler: set by Lightning (a ``DistributedSampler``), for the world size, rank and epoch.
 
     Raises:
@@ -90,6 +97,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         method: balancing.Method = "best",
         quadratic: float | None = None,
+        micro_batch_tokens: int | None = None,
+        pass_cost_tokens: float = balancing.PASS_COST_TOKENS,
         sampler: Any = None,
     ) -> None:
         self.lengths = _read_lengths(lengths, dataset)
@@ -100,6 +109,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.drop_last, self.method, self.quadratic = bool(drop_last), method, quadratic
         self.sampler: Any = sampler if sampler is not None else _Epoch()
         self.costs = balancing.sample_costs(self.lengths, quadratic)
+        self.step_cost = balancing.StepCost(micro_batch_tokens, float(pass_cost_tokens), quadratic)
         self._resume: tuple[int, int] | None = None  # (epoch, step batches already trained), set by `resume`
         world, me = self.world()  # checked now, not at the first batch
         del world, me
@@ -112,6 +122,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
             "drop_last": drop_last,
             "method": method,
             "quadratic": quadratic,
+            "micro_batch_tokens": micro_batch_tokens,
+            "pass_cost_tokens": pass_cost_tokens,
             "sampler": sampler,
         }
         for name, value in zip(_LIGHTNING_SAVED, ((), kwargs, (), {}), strict=True):
@@ -148,7 +160,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
         """One global step batch dealt to ``num_replicas`` ranks: each rank's sample indices, in the batch's order."""
-        parts = balancing.partition([self.costs[i] for i in batch], num_replicas, self.method)
+        if self.step_cost.knows_passes:  # by each rank's cut: its passes and padding, not its tokens alone
+            parts = balancing.deal([self.lengths[i] for i in batch], num_replicas, self.method, self.step_cost)
+        else:
+            parts = balancing.partition([self.costs[i] for i in batch], num_replicas, self.method)
         return [[batch[p] for p in part] for part in parts]
 
     def resume(self, epoch: int, consumed: int) -> None:

@@ -13,6 +13,10 @@ lengths, with no communication.
 - `sample_costs`: what a sample adds to its rank's step (its tokens, and attention's quadratic term if asked).
 - `partition`: a step batch cut into one part per rank, the most loaded part as close to the mean as the costs allow
   (Karmarkar-Karp's largest differencing, or greedy longest-first to the lightest part).
+- `StepCost`: what a rank's step costs under split by tokens: its micro-batches' padded tokens, and a fixed cost per
+  pass (``pass_cost_tokens``, in tokens) for each micro-batch the cut at ``micro_batch_tokens`` makes.
+- `deal`: `partition` by tokens, then `refine`: samples moved and swapped between the slowest rank and the
+  lightest ones, each rank's share priced by its real cut (`StepCost.of`), while the slowest rank gets cheaper.
 - `imbalance`: the slowest rank's cost over the mean rank's.
 
 Examples:
@@ -25,13 +29,38 @@ Examples:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
 METHODS: tuple[Method, ...] = ("best", "karmarkar-karp", "greedy")
+
+PASS_COST_TOKENS = 112.0
+"""A micro-batch pass's fixed cost in tokens (what a pass costs beyond its tokens' compute), measured on this machine's
+CPU: ``examples/benchmarks/rank_balance.py`` fits a pass's CPU seconds as ``a + b * padded_tokens + c * rows *
+length ** 2`` on its small causal LM, and ``a / b`` came to 112.6 and 112.5 tokens in two of three fits (273 in the
+third, whose quadratic term took part of the tokens' share). On a GPU a pass's fixed cost (kernel launches, a small
+micro-batch's lower efficiency) is larger in tokens: measure it there as the benchmark does."""
+
+KARMARKAR_KARP_MAX = 1 << 16
+"""``"best"`` runs Karmarkar-Karp only when samples x parts is at most this (4096 samples on 512 ranks took 6.7 s on
+this machine's CPU; greedy 0.01 s), greedy alone above it."""
+
+SWAPS = 3
+"""`refine` tries, for each sample of a heavy rank, the swaps with this many of its partner's (the nearest in length
+to what would meet in the middle)."""
+
+ROUNDS = 16
+"""`refine` makes at most this many rounds of moves (each pairs every rank over the mean with a light one)."""
+
+CLOSE_ENOUGH = 1.01
+"""`refine` moves samples off the ranks over this factor of the mean (1%: inside timing noise); none over it: done."""
+
+MICRO_BATCH_COST = 32
+"""`lightning_accum.sequences.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they agree)."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -88,7 +117,10 @@ def partition(costs: Sequence[float], parts: int, method: Method = "best") -> li
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
     deals = []
-    for run in ("karmarkar-karp", "greedy") if method == "best" else (method,):
+    runs = ("karmarkar-karp", "greedy") if method == "best" else (method,)
+    if method == "best" and len(costs) * parts > KARMARKAR_KARP_MAX:
+        runs = ("greedy",)  # Karmarkar-Karp merges `parts`-long deals n times: seconds at 4096 samples on 512 ranks
+    for run in runs:
         deal = _greedy(costs, parts) if run == "greedy" else _karmarkar_karp(costs, parts)
         _fill_empty(deal, costs)
         deals.append(deal)
@@ -132,6 +164,179 @@ def _fill_empty(deal: list[list[int]], costs: Sequence[float]) -> None:
         cheapest = min(donor, key=lambda i: (costs[i], -i))
         donor.remove(cheapest)
         empty.append(cheapest)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a rank's step costs under split by tokens, in tokens: its cut's passes, each a fixed cost plus its tokens.
+
+    For each micro-batch its cut makes: the pass's fixed cost plus its padded tokens (plus attention's quadratic term).
+
+    Split by tokens cuts a rank's step batch longest first into micro-batches of at most ``micro_batch_tokens`` padded
+    tokens (`lightning_accum.sequences.TokenCut.groups`). Each is a forward and backward pass with a fixed cost beyond
+    its tokens, so two ranks with the same tokens but a different number of passes do not cost the same: dealing by
+    tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008, compute to
+    1.04-1.08).
+
+    Attributes:
+        micro_batch_tokens: the micro-batch token budget split by tokens cuts at (`AutoMicroBatching`'s
+            ``micro_batch_tokens``); ``None`` prices a step by its tokens alone (the passes unknown).
+        pass_cost_tokens: a pass's fixed cost in tokens (`PASS_COST_TOKENS`, measured on this machine, by default).
+        quadratic: count ``length ** 2 / quadratic`` more per row for attention (see `sample_costs`); ``None``: no
+            quadratic term.
+
+    Example:
+        >>> StepCost(micro_batch_tokens=8, pass_cost_tokens=10).of([9, 4, 4, 3, 1])  # [9] [4, 4] [3] [1]: 4 passes
+        61.0
+    """
+
+    micro_batch_tokens: int | None = None
+    pass_cost_tokens: float = PASS_COST_TOKENS
+    quadratic: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens is not None and int(self.micro_batch_tokens) < 1:
+            raise ValueError(
+                f"`micro_batch_tokens` must be at least 1, got {self.micro_batch_tokens}. Pass the token budget split"
+                " by tokens cuts at (AutoMicroBatching's `micro_batch_tokens`), or None to price steps by tokens."
+            )
+        if self.pass_cost_tokens < 0:
+            raise ValueError(
+                f"`pass_cost_tokens` must be non-negative, got {self.pass_cost_tokens}. It is a micro-batch pass's"
+                f" fixed cost in tokens ({PASS_COST_TOKENS:g} measured on a CPU)."
+            )
+
+    @property
+    def knows_passes(self) -> bool:
+        """Whether the cost counts the passes (a budget is known), so a deal by tokens is worth refining."""
+        return self.micro_batch_tokens is not None
+
+    def of(self, lengths: Sequence[int]) -> float:
+        """A rank's step cost for a step batch of sequences of ``lengths``."""
+        if self.micro_batch_tokens is None:
+            return float(sum(sample_costs(lengths, self.quadratic)))
+        ordered = sorted((max(1, int(n)) for n in lengths), reverse=True)
+        total = 0.0
+        for start, stop in cut_groups(ordered, int(self.micro_batch_tokens)):
+            rows, longest = stop - start, ordered[start]
+            total += self.pass_cost_tokens + rows * longest
+            if self.quadratic is not None:
+                total += rows * longest * longest / self.quadratic
+        return total
+
+
+def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each micro-batch split by tokens cuts ``ordered`` (lengths, longest first) into.
+
+    At a budget of ``budget`` padded tokens: `lightning_accum.sequences.TokenCut.groups`' shortest path, in plain
+    Python for the few sequences of a rank's share (TokenCut's is vectorized for thousands);
+    tests/test_balancing.py checks they cut alike.
+
+    Example:
+        >>> cut_groups([9, 4, 4, 3, 1], 8)
+        [(0, 1), (1, 3), (3, 4), (4, 5)]
+    """
+    n, overhead = len(ordered), budget // MICRO_BATCH_COST
+    cost, end = [0] * (n + 1), [n] * (n + 1)
+    for start in range(n - 1, -1, -1):
+        longest = max(1, ordered[start])
+        last = min(n, start + max(1, budget // longest))
+        best, stop = min((overhead + (e - start) * longest + cost[e], -e) for e in range(start + 1, last + 1))
+        cost[start], end[start] = best, -stop
+    groups, start = [], 0
+    while start < n:
+        groups.append((start, end[start]))
+        start = end[start]
+    return groups
+
+
+def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: StepCost | None = None) -> list[list[int]]:
+    """Positions of ``lengths`` dealt into ``parts`` ranks, the slowest step (by ``cost``) close to the mean.
+
+    `partition` by each sample's tokens, then, when ``cost`` knows the passes, `refine` by each rank's real cut. Each
+    part ascending; every part holds a sample when there are at least ``parts``.
+    """
+    cost = cost or StepCost()
+    parts_ = partition(sample_costs(lengths, cost.quadratic), parts, method)
+    return refine(lengths, parts_, cost) if cost.knows_passes else parts_
+
+
+def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost) -> list[list[int]]:
+    """``deal`` improved by moves and swaps of samples between heavy and light ranks, each priced by its real cut.
+
+    Each round pairs the ranks over `CLOSE_ENOUGH` times the mean (by `StepCost.of` on their share), heaviest first,
+    with the lightest ranks, lightest first; where a heavy rank can be made cheaper by giving one of its samples to
+    its partner, or trading one for a shorter one of theirs (the `SWAPS` nearest in length to meeting in the middle),
+    without the partner going over the heavy rank's cost before, the move that leaves the pair's dearer share
+    cheapest is made. Rounds go on while a move is made, for at most `ROUNDS`.
+
+    A deal by tokens balances the tokens, not the passes: a rank whose share cuts into one more micro-batch pays one
+    more pass's fixed cost, and its padding depends on which lengths share a micro-batch. Pricing each candidate by
+    its real cut fixes both. Deterministic (ties go to the lower rank and position); no move makes the slowest
+    rank dearer. Each part is returned ascending.
+
+    Example:
+        >>> cost = StepCost(micro_batch_tokens=16, pass_cost_tokens=8)
+        >>> refine([8, 8, 8, 8, 8, 8], [[0, 1, 2, 3], [4, 5]], cost)  # 2 passes against 1: 48 and 24 become 40 and 40
+        [[1, 2, 3], [0, 4, 5]]
+    """
+    if cost.micro_batch_tokens is None:
+        return [sorted(part) for part in deal]
+    prices: dict[tuple[int, ...], float] = {}
+
+    def price(part: Sequence[int]) -> float:
+        key = tuple(sorted((lengths[i] for i in part), reverse=True))
+        if key not in prices:
+            prices[key] = cost.of(key)
+        return prices[key]
+
+    shares = [list(part) for part in deal]
+    loads = [price(part) for part in shares]
+    for _ in range(ROUNDS):
+        # Pair the ranks over the mean, heaviest first, with the lightest, lightest first: each pair one move a round.
+        mean = sum(loads) / len(loads)
+        by_load = sorted(range(len(shares)), key=lambda r: (-loads[r], r))
+        heavy = [r for r in by_load if loads[r] > CLOSE_ENOUGH * mean]
+        moved = False
+        for slow, light in zip(heavy, reversed(by_load[len(heavy) :]), strict=False):
+            move = _best_move(shares[slow], shares[light], loads[slow], lengths, price)
+            if move is not None:
+                shares[slow], shares[light] = move
+                loads[slow], loads[light] = price(move[0]), price(move[1])
+                moved = True
+        if not moved:
+            break
+    return [sorted(part) for part in shares]
+
+
+def _best_move(
+    mine: list[int], theirs: list[int], peak: float, lengths: Sequence[int], price: Callable[[Sequence[int]], float]
+) -> tuple[list[int], list[int]] | None:
+    # The move of one of `mine` to `theirs`, or swap for a shorter one of theirs, that leaves the pair's dearer share
+    # cheapest (then their sum), if it is below `peak`; None if none is.
+    best: tuple[tuple[float, float], list[int], list[int]] | None = None
+    target = (peak - price(theirs)) / 2  # the tokens a move would shift to meet in the middle
+    others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
+    for a in _one_per_length(mine, lengths):
+        # Of the swaps, the ones whose length difference is nearest the target: a few, not every pair.
+        near = sorted(others, key=lambda i: (abs(lengths[a] - lengths[i] - target), i))[:SWAPS]
+        for b in [None, *near]:
+            if (b is None and len(mine) < 2) or (b is not None and lengths[b] >= lengths[a]):
+                continue  # the slow rank keeps a sample; a longer sample in its place cannot make it cheaper
+            left = [i for i in mine if i != a] + ([] if b is None else [b])
+            right = [i for i in theirs if i != b] + [a]
+            after = (max(price(left), price(right)), price(left) + price(right))
+            if after[0] < peak * (1 - 1e-12) and (best is None or after < best[0]):
+                best = (after, left, right)
+    return None if best is None else (best[1], best[2])
+
+
+def _one_per_length(part: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    # Two samples of one length make the same candidates: try the first of each.
+    seen: dict[int, int] = {}
+    for i in part:
+        seen.setdefault(lengths[i], i)
+    return list(seen.values())
 
 
 def imbalance(costs: Sequence[float]) -> float:

@@ -14,8 +14,8 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_accum import balancing
-from lightning_accum.sequences import BalancedBatchSampler
+from lightning_accum import balancing, sequences
+from lightning_accum.sequences import BalancedBatchSampler, TokenCut
 from tests.token_models import TokenSequences, pad_right
 
 
@@ -169,3 +169,67 @@ def test_lightning_rebuilds_it_with_its_distributed_sampler_and_every_argument()
     expected = BalancedBatchSampler(lengths, 6, num_replicas=3, rank=2, seed=7)
     expected.set_epoch(4)
     assert [b["index"].tolist() for b in rebuilt] == list(expected)
+
+
+# ---- the cost a rank's step has under split by tokens: its passes, not its tokens alone (issue 27, item 1) ----
+
+
+def bench_lengths(n: int, seed: int) -> list[int]:
+    """The rank-balance benchmark's lengths: log-normal, median 64, 8 to 512 tokens."""
+    rng = random.Random(seed)
+    return [min(512, max(8, round(math.exp(rng.gauss(math.log(64.0), 0.9))))) for _ in range(n)]
+
+
+def cut_cost(lengths: list[int], budget: int, pass_cost: float) -> float:
+    """The reference: the real cut's micro-batches (TokenCut, as split by tokens cuts), each a pass plus its padded
+    tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    cut = TokenCut(None, order, [lengths[i] for i in order], max(lengths), 1)
+    return sum(pass_cost + len(g) * lengths[order[g.start]] for g in cut.groups(budget))
+
+
+def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
+    assert balancing.MICRO_BATCH_COST == sequences.MICRO_BATCH_COST
+    for seed, budget in itertools.product(range(30), (64, 512, 1024)):
+        lengths = bench_lengths(3 + seed % 14, seed)
+        cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)
+        assert cost.of(lengths) == cut_cost(lengths, budget, 37.0)
+
+
+@pytest.mark.parametrize("ranks", [8, 64, 512])
+def test_priced_by_its_passes_the_slowest_rank_is_within_2_percent_of_the_mean_at_8_sequences_a_rank(ranks):
+    # The simulated step: each rank's share cut at 1024 tokens, a pass costing the measured fixed cost.
+    budget, pass_cost = 1024, balancing.PASS_COST_TOKENS
+    cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=pass_cost)
+    by_tokens, by_passes = [], []
+    for step in range(1 if ranks == 512 else 3):
+        lengths = bench_lengths(8 * ranks, 1000 + step)
+        for deal, out in (
+            (balancing.partition(lengths, ranks), by_tokens),
+            (balancing.deal(lengths, ranks, cost=cost), by_passes),
+        ):
+            assert sorted(i for part in deal for i in part) == list(range(len(lengths)))
+            out.append(balancing.imbalance([cut_cost([lengths[i] for i in part], budget, pass_cost) for part in deal]))
+    assert max(by_passes) < 1.02 < min(by_tokens), (by_passes, by_tokens)
+
+
+def test_the_sampler_priced_by_its_passes_deals_the_same_global_batches_closer_to_the_mean():
+    lengths = bench_lengths(8 * 8 * 3, 7)
+    plain = BalancedBatchSampler(lengths, 64, num_replicas=8, rank=0)
+    priced = BalancedBatchSampler(lengths, 64, num_replicas=8, rank=0, micro_batch_tokens=1024, pass_cost_tokens=64)
+    worst = {}
+    for name, sampler in (("plain", plain), ("priced", priced)):
+        ratios = []
+        for batch in sampler.global_batches(0):
+            deal = sampler.deal(batch, 8)
+            assert sorted(i for part in deal for i in part) == sorted(batch)
+            ratios.append(balancing.imbalance([cut_cost([lengths[i] for i in p], 1024, 64) for p in deal]))
+        worst[name] = max(ratios)
+    assert worst["priced"] < 1.02 < worst["plain"], worst
+
+
+def test_a_budget_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`micro_batch_tokens` must be at least 1, got 0"):
+        BalancedBatchSampler([4, 5], 2, num_replicas=1, micro_batch_tokens=0)
+    with pytest.raises(ValueError, match=r"`pass_cost_tokens` must be non-negative, got -1"):
+        balancing.StepCost(micro_batch_tokens=8, pass_cost_tokens=-1)
