@@ -45,6 +45,9 @@ from torch import Tensor
 from lightning_accum._util.cli_types import ImportPath, PositiveInt
 from lightning_accum._util.validation import check_int, import_object
 from lightning_accum.items import lookup
+from lightning_accum.split.balanced_sampler import (
+    BalancedBatchSampler as BalancedBatchSampler,  # next to PaddedSequences
+)
 from lightning_accum.split.masks import mask_lengths, real_positions
 from lightning_accum.split.tokens import TokenCut
 from lightning_accum.splitting import (

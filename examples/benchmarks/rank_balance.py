@@ -1,0 +1,342 @@
+"""Ranks dealt by cost (`BalancedBatchSampler`) against dealt at random: measured on 2 CPU ranks, simulated to 512.
+
+    OMP_NUM_THREADS=1 python examples/benchmarks/rank_balance.py [--repeats 6] [--steps 8] [--quick]
+
+**Measured.** 2 gloo ranks on the CPU, one thread each, train a small causal LM (2 pre-norm transformer blocks) on
+log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank`` sequences is
+dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
+(`lightning_accum.sequences.BalancedBatchSampler.deal`); each rank cuts its share as split mode by tokens does
+(`lightning_accum.sequences.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
+the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
+global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
+backward) can be timed apart from the wait at the sync. Each repeat runs both deals, in alternating order. Reported:
+the slowest rank's compute time over the mean (median over steps and repeats), samples/s of by cost over at random
+(median over repeats, with the range), the share of a step that is the model's forward and backward, and parity: the
+largest relative difference between the two deals' gradients, and to one full-batch pass.
+
+**Simulated.** A pass's time is fitted on this machine as ``a + b * padded_tokens + c * rows * length ** 2`` (least
+squares over timed passes); a rank's step is the sum over its micro-batches; the slowest rank's step over the mean,
+for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
+
+Timings on a shared machine are noisy: read the ratios. The last line is ``RESULT`` and the results as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_accum.sequences import BalancedBatchSampler, TokenCut
+from lightning_accum.split import balancing
+
+VOCAB, DIM, HEADS, MAX_LEN = 256, 64, 4, 512
+BUDGET = 1024  # padded tokens a micro-batch
+PER_RANK = (8, 4)
+SIM_RANKS = (8, 64, 512)
+SIM_PER_RANK = (4, 8, 16, 64)
+
+
+def lognormal_lengths(n: int, seed: int, median: float = 64.0, low: int = 8, high: int = MAX_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [min(high, max(low, round(math.exp(rng.gauss(math.log(median), 0.9))))) for _ in range(n)]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        x = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, DIM))
+        return x + self.mlp(self.norm2(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.position = nn.Embedding(VOCAB, DIM), nn.Embedding(MAX_LEN, DIM)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def token_loss_sum(self, ids: Tensor, labels: Tensor) -> Tensor:
+        x = self.embed(ids) + self.position(torch.arange(ids.shape[1]))
+        logits = self.head(self.blocks(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="sum")
+
+
+def padded(samples: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    length = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    labels = torch.full((len(samples), length), -100)
+    for row, s in enumerate(samples):
+        ids[row, : len(s)], labels[row, : len(s)] = s, s
+    return ids, labels
+
+
+def micro_batches(lengths: Sequence[int]) -> list[list[int]]:
+    """Positions of each micro-batch as split by tokens cuts them (longest first, at `BUDGET`)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    cut = TokenCut(None, order, [lengths[i] for i in order], max(lengths), 1)
+    return [[order[p] for p in group] for group in cut.groups(BUDGET)]
+
+
+def rank_step(model: CausalLM, samples: list[Tensor], global_tokens: int) -> tuple[float, float, Tensor]:
+    """This rank's step: forward and backward of every micro-batch, then the sync. Its compute and sync seconds."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for group in micro_batches([len(s) for s in samples]):
+        ids, labels = padded([samples[i] for i in group])
+        (model.token_loss_sum(ids, labels) / global_tokens).backward()
+    computed = time.perf_counter()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    dist.all_reduce(flat)
+    return computed - start, time.perf_counter() - computed, flat
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results: dict[str, Any] = {}
+    for per_rank in PER_RANK:
+        lengths, data = make_data(per_rank, args.steps)
+        deals = {
+            "at random": _StrideDeal(lengths, 2 * per_rank),
+            "by cost": BalancedBatchSampler(lengths, 2 * per_rank),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in deals}
+        for repeat in range(args.repeats):
+            for name in list(deals)[:: 1 if repeat % 2 else -1]:
+                runs[name].append(_fit(deals[name], data, rank))
+        results[str(per_rank)] = runs
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+class _StrideDeal(BalancedBatchSampler):
+    def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
+        return [list(batch[r::num_replicas]) for r in range(num_replicas)]
+
+
+def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int) -> dict[str, Any]:
+    model = CausalLM()
+    batches = deal.global_batches(0)
+    compute, sync, tokens, grads = [], [], [], []
+    dist.barrier()
+    start = time.perf_counter()
+    for step, batch in enumerate(batches):
+        mine = deal.deal(batch, 2)[rank]
+        c, s, flat = rank_step(model, [data[i] for i in mine], sum(len(data[i]) for i in batch) - len(batch))
+        if step == 0:  # warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            continue
+        compute.append(c), sync.append(s), tokens.append(sum(len(data[i]) for i in mine))
+        if len(grads) < 2:
+            grads.append(flat)
+    return {
+        "compute": compute,
+        "sync": sync,
+        "tokens": tokens,
+        "seconds": time.perf_counter() - start,
+        "samples": sum(len(b) for b in batches[1:]),
+        "grads": grads,
+        "batches": batches[1:3],
+    }
+
+
+def measured(args: argparse.Namespace, out: str) -> dict[str, Any]:
+    port = random.Random(os.getpid()).randint(20000, 40000)
+    mp.start_processes(_worker, args=(port, args, out), nprocs=2, start_method="spawn")
+    ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    table = {}
+    for per_rank in PER_RANK:
+        key, row = str(per_rank), {}
+        for name in ("at random", "by cost"):
+            runs = [r[key][name] for r in ranks]
+            compute = [
+                max(a, b) / ((a + b) / 2)
+                for i in range(len(runs[0]))
+                for a, b in zip(runs[0][i]["compute"], runs[1][i]["compute"], strict=True)
+            ]
+            tokens = [
+                max(a, b) / ((a + b) / 2)
+                for i in range(len(runs[0]))
+                for a, b in zip(runs[0][i]["tokens"], runs[1][i]["tokens"], strict=True)
+            ]
+            step = [sum(r["compute"]) + sum(r["sync"]) for r in runs[0]]
+            row[name] = {
+                "compute_imbalance": statistics.median(compute),
+                "token_imbalance": statistics.median(tokens),
+                "samples_per_s": [
+                    r["samples"] / max(r0["seconds"], r1["seconds"])
+                    for r, r0, r1 in zip(runs[0], runs[0], runs[1], strict=True)
+                ],
+                "compute_share": statistics.median(sum(r["compute"]) / r["seconds"] for r in runs[0] + runs[1]),
+                "step_s": statistics.median(step),
+            }
+        ratios = [
+            b / a for a, b in zip(row["at random"]["samples_per_s"], row["by cost"]["samples_per_s"], strict=True)
+        ]
+        reference = full_batch_grads(ranks[0][key]["at random"][0]["batches"], make_data(per_rank, args.steps)[1])
+        g_random, g_cost = ranks[0][key]["at random"][0]["grads"], ranks[0][key]["by cost"][0]["grads"]
+        row["speedup"] = {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+        row["parity"] = {
+            "by_cost_vs_random": max(
+                float((a - b).abs().max() / b.abs().max()) for a, b in zip(g_cost, g_random, strict=True)
+            ),
+            "by_cost_vs_full_batch": max(
+                float((a - b).abs().max() / b.abs().max()) for a, b in zip(g_cost, reference, strict=True)
+            ),
+            "replicas": max(
+                float((a - b).abs().max()) for a, b in zip(g_cost, ranks[1][key]["by cost"][0]["grads"], strict=True)
+            ),
+        }
+        table[key] = row
+    return table
+
+
+def make_data(per_rank: int, steps: int) -> tuple[list[int], list[Tensor]]:
+    """The run's lengths and token ids: ``steps + 1`` global batches (the first is the warm-up)."""
+    lengths = lognormal_lengths(2 * per_rank * (steps + 1), seed=per_rank)
+    g = torch.Generator().manual_seed(1)
+    return lengths, [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def full_batch_grads(batches: list[list[int]], data: list[Tensor]) -> list[Tensor]:
+    """The reference: each step's global batch in one padded pass, token mean (the runs never step the weights)."""
+    model, out = CausalLM(), []
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        ids, labels = padded([data[i] for i in batch])
+        (model.token_loss_sum(ids, labels) / int((labels[:, 1:] != -100).sum())).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
+    return out
+
+
+# ---- simulation ------------------------------------------------------------------------------------------------
+
+
+def fit_pass_costs(quick: bool) -> list[float]:
+    """``[a, b, c]`` of a pass's seconds ``a + b * rows * length + c * rows * length ** 2``, fitted on this machine."""
+    model, rows_x, times = CausalLM(), [], []
+    shapes = [(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256) if r * n <= BUDGET][:: 3 if quick else 1]
+    for rows, length in shapes:
+        ids = torch.randint(1, VOCAB, (rows, length))
+        seconds = []
+        for _ in range(2 if quick else 4):  # the first is a warm-up; the fastest of the rest is the least disturbed
+            start = time.process_time()  # CPU seconds: on a loaded machine, wall time counts the other processes
+            model.token_loss_sum(ids, ids).backward()
+            seconds.append(time.process_time() - start)
+        times.append(min(seconds[1:]))
+        rows_x.append([1.0, rows * length, rows * length**2])
+    solution = torch.linalg.lstsq(torch.tensor(rows_x, dtype=torch.float64), torch.tensor(times, dtype=torch.float64))
+    return [max(0.0, float(v)) for v in solution.solution]
+
+
+def simulated_step(lengths: Sequence[int], cost: Sequence[float]) -> float:
+    a, b, c = cost
+    total = 0.0
+    for group in micro_batches(lengths):
+        rows, longest = len(group), max(lengths[i] for i in group)
+        total += a + b * rows * longest + c * rows * longest**2
+    return total
+
+
+def simulate(cost: list[float], quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for ranks in SIM_RANKS[:2] if quick else SIM_RANKS:
+        for per_rank in SIM_PER_RANK[:2] if quick else SIM_PER_RANK:
+            steps = 2 if quick else max(2, min(20, 4096 // (ranks * per_rank)))
+            figures: dict[str, list[float]] = {"at random": [], "by cost": []}
+            for step in range(steps):
+                lengths = lognormal_lengths(ranks * per_rank, seed=1000 + step)
+                batch = list(range(len(lengths)))
+                sampler = BalancedBatchSampler(lengths, len(lengths), num_replicas=ranks, rank=0)
+                for name, deal in (
+                    ("at random", _StrideDeal.deal(sampler, batch, ranks)),
+                    ("by cost", sampler.deal(batch, ranks)),
+                ):
+                    steps_s = [simulated_step([lengths[i] for i in part], cost) for part in deal]
+                    figures[name].append(balancing.imbalance(steps_s))
+            table[f"{ranks} x {per_rank}"] = {
+                name: {"mean": statistics.mean(v), "max": max(v)} for name, v in figures.items()
+            }
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="2 repeats of 2 steps, a smaller simulation")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 2, 1
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        table = measured(args, out)
+    print(
+        "| per rank | deal | slowest rank's compute / mean | its tokens / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
+    )
+    print("|---:|---|---:|---:|---:|---:|")
+    for per_rank, row in table.items():
+        for name in ("at random", "by cost"):
+            f = row[name]
+            speed = (
+                "1.00"
+                if name == "at random"
+                else f"{row['speedup']['median']:.2f}x ({row['speedup']['range'][0]:.2f}-{row['speedup']['range'][1]:.2f})"  # noqa: E501 (a table row)
+            )
+            print(
+                f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
+            )
+        p = row["parity"]
+        print(
+            f"parity at {per_rank} per rank: by cost vs at random {p['by_cost_vs_random']:.1e}, vs one full-batch pass {p['by_cost_vs_full_batch']:.1e}, replicas {p['replicas']:.1e}; 0 OOMs (none can occur: CPU)"  # noqa: E501 (a table row)
+        )
+    cost = fit_pass_costs(args.quick)
+    sim = simulate(cost, args.quick)
+    print(f"\npass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2 (fitted here)")
+    print("| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) |")
+    print("|---|---:|---:|")
+    for key, row in sim.items():
+        print(
+            f"| {key} | {row['at random']['mean']:.3f} ({row['at random']['max']:.3f}) | {row['by cost']['mean']:.3f} ({row['by cost']['max']:.3f}) |"  # noqa: E501 (a table row)
+        )
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "measured": {
+                    k: {n: (v if n in ("speedup", "parity") else {m: x for m, x in v.items()}) for n, v in row.items()}
+                    for k, row in table.items()
+                },
+                "pass_cost": cost,
+                "simulated": sim,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""`BalancedBatchSampler`: each optimizer step's global batch, dealt to the ranks by cost instead of at random. Pure.
+
+See `lightning_accum.split.balancing` for the arithmetic; this module is the ``torch.utils.data`` face of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import Dataset, Sampler
+
+from lightning_accum._util.validation import check_int
+from lightning_accum.split import balancing
+
+# The attributes Lightning reads to rebuild a batch sampler with its own sampler in it (`_wrap_init_method` and
+# `_dataloader_init_kwargs_resolve_sampler` in lightning/fabric/utilities/data.py, 2.0 to 2.6). Lightning sets them on
+# `BatchSampler` subclasses built inside a data hook; this sampler sets them itself, so that a DataLoader built
+# anywhere is rebuilt with every argument it had. tests/test_balancing_sampler.py fails if Lightning changes them.
+_LIGHTNING_SAVED = ("__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names", "__pl_saved_default_kwargs")
+
+
+class _Epoch:
+    """What Lightning calls ``set_epoch`` on when it injected no sampler (it calls ``batch_sampler.sampler``'s)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class BalancedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's share of each optimizer step's global batch, dealt so every rank's step costs the same.
+
+    For split mode (`lightning_accum.AutoMicroBatching`, where the DataLoader yields a rank's whole step batch). Each
+    epoch's samples are permuted with ``seed + epoch`` (as ``DistributedSampler(shuffle=True)``), cut into global step
+    batches of ``batch_size`` samples, and each step batch is partitioned among the ranks by its samples' costs
+    (`lightning_accum.split.balancing.partition`: the slowest rank as close to the mean as the lengths allow). Every
+    rank computes the same deal from the same seed and lengths: no communication. Split mode is exact when ranks hold
+    different numbers of samples, so the update is the one the same global batch dealt at random gives.
+
+    **The global batch of a step does not depend on the number of ranks**: a run on 2 ranks and one on 4 train on the
+    same global samples at every step, so a run resumed on another world size continues the same data order. Only
+    their deal to the ranks differs. ``batch_size`` is therefore the *global* batch (all ranks together).
+
+    Under Lightning's default ``use_distributed_sampler=True`` nothing needs changing: Lightning rebuilds the sampler
+    with its ``DistributedSampler`` as ``sampler``, from which it takes the world size and rank (its order is not
+    used). Lightning's ``set_epoch`` reaches it through ``sampler``. To resume mid-epoch on the same step batches, add
+    `lightning_accum.front_ends.balanced_sampler_state.BalancedSamplerState` to the Trainer's callbacks.
+
+    Args:
+        lengths: each sample's length in tokens, in dataset order; or a function of a sample that returns it, read
+            once over ``dataset``.
+        batch_size: the global step batch: samples per optimizer step over all ranks; at least the number of ranks.
+        dataset: the dataset, when ``lengths`` is a function.
+        num_replicas: the number of ranks; by default the injected ``sampler``'s, else ``torch.distributed``'s world
+            size if it is initialized, else 1.
+        rank: this rank; by default as ``num_replicas``.
+        seed: the permutation's seed (the epoch is added to it).
+        drop_last: drop the epoch's last step batch when it holds fewer than ``batch_size`` samples. Kept, a last step
+            batch with fewer samples than ranks takes samples from the epoch's first step batch, one a rank.
+        method: how to deal (`lightning_accum.split.balancing.partition`): ``"best"`` (the default: Karmarkar-Karp's
+            deal or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or ``"greedy"``.
+        quadratic: count ``length ** 2 / quadratic`` more per sample for attention (see
+            `lightning_accum.split.balancing.sample_costs`); ``None`` counts tokens.
+        micro_batch_tokens: the token budget split by tokens cuts each rank's share at (pass `AutoMicroBatching`'s
+            ``micro_batch_tokens``). Given, each rank's step is priced as its cut costs (a fixed ``pass_cost_tokens``
+            per micro-batch plus its padded tokens) and the deal by tokens is refined by moves and swaps
+            (`lightning_accum.split.balancing.refine`): tokens alone balance the tokens to about 1.01 but the compute
+            only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
+        pass_cost_tokens: a micro-batch pass's fixed cost in tokens (`lightning_accum.split.balancing.PASS_COST_TOKENS`,
+            measured on a CPU, by default; measure yours as ``examples/benchmarks/rank_balance.py`` does).
+        sampler: set by Lightning (a ``DistributedSampler``), for the world size, rank and epoch.
+
+    Raises:
+        TypeError: ``lengths`` is neither a sequence of ints nor a function, or is a function without ``dataset``.
+        ValueError: a length is negative, ``batch_size < 1``, or ``rank`` is outside ``num_replicas``.
+
+    Example:
+        >>> lengths = [30, 2, 3, 25, 4, 5, 20, 6]
+        >>> [list(BalancedBatchSampler(lengths, 4, num_replicas=2, rank=r)) for r in (0, 1)]
+        [[[4, 0], [6]], [[7, 3], [2, 5, 1]]]
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | Callable[[Any], int],
+        batch_size: int,
+        *,
+        dataset: Dataset[Any] | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        drop_last: bool = False,
+        method: balancing.Method = "best",
+        quadratic: float | None = None,
+        micro_batch_tokens: int | None = None,
+        pass_cost_tokens: float = balancing.PASS_COST_TOKENS,
+        sampler: Any = None,
+    ) -> None:
+        self.lengths = _read_lengths(lengths, dataset)
+        self.batch_size = check_int(batch_size, "batch_size", 1, hint="It is the global step batch, all ranks.")
+        if method not in balancing.METHODS:
+            raise ValueError(f"`method` must be one of {balancing.METHODS}, got {method!r}.")
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, int(seed)
+        self.drop_last, self.method, self.quadratic = bool(drop_last), method, quadratic
+        self.sampler: Any = sampler if sampler is not None else _Epoch()
+        self.costs = balancing.sample_costs(self.lengths, quadratic)
+        self.step_cost = balancing.StepCost(micro_batch_tokens, float(pass_cost_tokens), quadratic)
+        self._resume: tuple[int, int] | None = None  # (epoch, step batches already trained), set by `resume`
+        world, me = self.world()  # checked now, not at the first batch
+        del world, me
+        kwargs = {
+            "lengths": self.lengths,  # read once: a rebuilt sampler does not read the dataset again
+            "batch_size": batch_size,
+            "num_replicas": num_replicas,
+            "rank": rank,
+            "seed": seed,
+            "drop_last": drop_last,
+            "method": method,
+            "quadratic": quadratic,
+            "micro_batch_tokens": micro_batch_tokens,
+            "pass_cost_tokens": pass_cost_tokens,
+            "sampler": sampler,
+        }
+        for name, value in zip(_LIGHTNING_SAVED, ((), kwargs, (), {}), strict=True):
+            object.__setattr__(self, name, value)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration draws (Lightning sets it through ``sampler.set_epoch``)."""
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch``'s permutation next."""
+        self.sampler.set_epoch(epoch)
+
+    def world(self) -> tuple[int, int]:
+        """The number of ranks and this rank: as given, else the injected sampler's, else ``torch.distributed``'s."""
+        initialized = dist.is_available() and dist.is_initialized()
+        world = self.num_replicas or getattr(self.sampler, "num_replicas", None)
+        world = world or (dist.get_world_size() if initialized else 1)
+        rank = self.rank if self.rank is not None else getattr(self.sampler, "rank", None)
+        rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        if not 0 <= rank < world:
+            raise ValueError(
+                f"`rank` must be in [0, num_replicas={world}), got rank={rank}. Pass the rank of this process."
+            )
+        return int(world), int(rank)
+
+    def global_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """The epoch's global step batches (sample indices), the same on every rank and at every world size."""
+        epoch = self.epoch if epoch is None else epoch
+        return balancing.global_batches(
+            len(self.lengths), self.batch_size, seed=self.seed, epoch=epoch, drop_last=self.drop_last
+        )
+
+    def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
+        """One global step batch dealt to ``num_replicas`` ranks: each rank's sample indices, in the batch's order."""
+        if self.step_cost.knows_passes:  # by each rank's cut: its passes and padding, not its tokens alone
+            parts = balancing.deal([self.lengths[i] for i in batch], num_replicas, self.method, self.step_cost)
+        else:
+            parts = balancing.partition([self.costs[i] for i in batch], num_replicas, self.method)
+        return [[batch[p] for p in part] for part in parts]
+
+    def resume(self, epoch: int, consumed: int) -> None:
+        """Start epoch ``epoch`` at its step batch ``consumed`` the next time it is drawn (a mid-epoch resume)."""
+        self._resume = (int(epoch), int(consumed))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        world, rank = self.world()
+        if self.batch_size < world:
+            raise ValueError(
+                f"`BalancedBatchSampler(batch_size={self.batch_size})` is the global step batch, and {world} ranks"
+                f" need at least one sample each. Pass `batch_size` of at least {world} (samples per rank x ranks)."
+            )
+        epoch, start = self.epoch, 0
+        if self._resume is not None and self._resume[0] == epoch:
+            start = self._resume[1]
+        self._resume = None
+        batches = self.global_batches(epoch)
+        for batch in batches[start:]:
+            if len(batch) < world:  # the kept last step batch: one sample a rank, as DistributedSampler pads
+                batch = batch + batches[0][: world - len(batch)]
+            yield self.deal(batch, world)[rank]
+
+    def __len__(self) -> int:
+        steps = len(self.lengths) / self.batch_size
+        return math.floor(steps) if self.drop_last else math.ceil(steps)
+
+    def __repr__(self) -> str:
+        return (
+            f"BalancedBatchSampler({len(self.lengths)} samples, batch_size={self.batch_size}, seed={self.seed},"
+            f" drop_last={self.drop_last}, method={self.method!r})"
+        )
+
+
+def _read_lengths(lengths: Any, dataset: Any) -> list[int]:
+    if callable(lengths):
+        if dataset is None:
+            raise TypeError(
+                "`BalancedBatchSampler(lengths=<function>)` reads each sample's length from the dataset: pass"
+                " `dataset=` too, or pass the lengths themselves."
+            )
+        lengths = [lengths(dataset[i]) for i in range(len(dataset))]
+    if hasattr(lengths, "tolist"):  # a tensor or an array
+        lengths = lengths.tolist()
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise TypeError(
+            f"`lengths` must be each sample's length (a sequence of ints) or a function of a sample, got"
+            f" {type(lengths).__name__}."
+        )
+    values = [int(n) for n in lengths]
+    if any(n < 0 for n in values):
+        raise ValueError(f"`lengths` must be non-negative, got {min(values)} at position {values.index(min(values))}.")
+    return values

@@ -1,0 +1,237 @@
+"""The deal of a step's global batch to the ranks (`lightning_accum.split.balancing`) and `BalancedBatchSampler` on its
+own: balance against the best possible deal, world-size independence, determinism, drop_last, resume, Lightning's
+rebuild.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_accum import sequences
+from lightning_accum.sequences import BalancedBatchSampler, TokenCut
+from lightning_accum.split import balancing
+from tests.token_models import TokenSequences, pad_right
+
+
+def lognormal(n: int, seed: int, median: float = 200.0, low: int = 16, high: int = 2048) -> list[int]:
+    rng = random.Random(seed)
+    return [min(high, max(low, round(math.exp(rng.gauss(math.log(median), 0.8))))) for _ in range(n)]
+
+
+def best_possible(costs: list[int], parts: int) -> int:
+    """The smallest largest part over every deal (brute force)."""
+    best = sum(costs)
+    for deal in itertools.product(range(parts), repeat=len(costs)):
+        loads = [0] * parts
+        for cost, part in zip(costs, deal, strict=True):
+            loads[part] += cost
+        best = min(best, max(loads))
+    return best
+
+
+def loads(costs: list[int], deal: list[list[int]]) -> list[int]:
+    return [sum(costs[i] for i in part) for part in deal]
+
+
+@pytest.mark.parametrize("method", balancing.METHODS)
+def test_every_deal_holds_each_sample_once_and_every_part_one_at_least(method):
+    for seed in range(20):
+        costs = lognormal(9, seed)
+        deal = balancing.partition(costs, 4, method)
+        assert sorted(i for part in deal for i in part) == list(range(9))
+        assert all(deal)
+    assert all(balancing.partition([1000, 1, 1, 1], 4, method))  # one sample a part, however uneven
+
+
+def test_the_deal_is_within_a_few_percent_of_the_best_possible():
+    # 10 log-normal lengths on 2 and 3 ranks: the best deal by brute force is the reference.
+    ratios = []
+    for seed, parts in itertools.product(range(8), (2, 3)):
+        costs = lognormal(10 if parts == 2 else 8, seed)
+        ratios.append(max(loads(costs, balancing.partition(costs, parts))) / best_possible(costs, parts))
+    assert max(ratios) < 1.05 and sum(ratios) / len(ratios) < 1.01, ratios
+
+
+def test_dealt_by_cost_the_slowest_rank_is_near_the_mean_and_far_below_a_random_deal():
+    random_deal, by_cost = [], []
+    for seed in range(50):
+        costs = lognormal(64, seed)  # 8 ranks, 8 sequences each
+        order = random.Random(seed).sample(range(64), 64)
+        random_deal.append(balancing.imbalance(loads(costs, [order[r::8] for r in range(8)])))
+        by_cost.append(balancing.imbalance(loads(costs, balancing.partition(costs, 8))))
+    assert sum(by_cost) / 50 < 1.02 < 1.3 < sum(random_deal) / 50
+
+
+def test_best_is_never_worse_than_either_method():
+    for seed in range(30):
+        costs = lognormal(16, seed)
+        best = max(loads(costs, balancing.partition(costs, 4, "best")))
+        assert best <= min(max(loads(costs, balancing.partition(costs, 4, m))) for m in ("karmarkar-karp", "greedy"))
+
+
+def test_bad_parts_and_method_are_refused():
+    with pytest.raises(ValueError, match="`parts` must be at least 1, got 0"):
+        balancing.partition([1, 2], 0)
+    with pytest.raises(ValueError, match="`method` must be one of"):
+        balancing.partition([1, 2], 2, "round-robin")  # type: ignore[arg-type]  # a bad value on purpose
+
+
+def rank_batches(sampler_of_rank, world: int) -> list[list[list[int]]]:
+    return [list(sampler_of_rank(rank)) for rank in range(world)]
+
+
+@pytest.mark.parametrize("worlds", [(1, 2), (2, 4), (1, 4)])
+def test_the_global_batch_of_every_step_is_the_same_at_any_world_size(worlds):
+    lengths = lognormal(100, 0)
+
+    def global_steps(world: int) -> list[list[int]]:
+        per_rank = rank_batches(lambda r: BalancedBatchSampler(lengths, 16, num_replicas=world, rank=r, seed=3), world)
+        return [sorted(i for part in step for i in part) for step in zip(*per_rank, strict=True)]
+
+    a, b = (global_steps(w) for w in worlds)
+    assert a == b
+    assert a == [sorted(batch) for batch in balancing.global_batches(100, 16, seed=3, epoch=0, drop_last=False)]
+    assert sorted(i for step in a for i in step) == list(range(100))  # the epoch: every sample once
+
+
+def test_the_permutation_is_distributed_samplers_and_follows_seed_and_epoch():
+    lengths = lognormal(40, 1)
+    sampler = BalancedBatchSampler(lengths, 40, num_replicas=1, rank=0, seed=5)
+    reference = DistributedSampler(range(40), num_replicas=1, rank=0, shuffle=True, seed=5)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        assert sampler.global_batches() == [list(reference)]
+    assert sampler.global_batches(0) != sampler.global_batches(1)
+    assert list(BalancedBatchSampler(lengths, 8, num_replicas=2, rank=1, seed=5)) == list(
+        BalancedBatchSampler(lengths, 8, num_replicas=2, rank=1, seed=5)
+    )
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_drop_last_drops_or_keeps_the_last_incomplete_step_batch(drop_last):
+    lengths = lognormal(21, 2)  # 5 step batches of 4, then one of 1 on 2 ranks
+    per_rank = rank_batches(lambda r: BalancedBatchSampler(lengths, 4, num_replicas=2, rank=r, drop_last=drop_last), 2)
+    assert [len(p) for p in per_rank] == [len(BalancedBatchSampler(lengths, 4, drop_last=drop_last))] * 2
+    assert len(per_rank[0]) == (5 if drop_last else 6)
+    if not drop_last:  # the kept step batch of 1 sample: the other rank takes one of the first step batch
+        last = per_rank[0][-1] + per_rank[1][-1]
+        first = balancing.global_batches(21, 4, seed=0, epoch=0, drop_last=False)
+        assert len(last) == 2 and set(last) == {first[-1][0], first[0][0]}
+
+
+def test_resume_starts_the_epoch_at_the_step_batch_it_reached():
+    lengths = lognormal(50, 3)
+    whole = list(BalancedBatchSampler(lengths, 10, num_replicas=2, rank=1))
+    sampler = BalancedBatchSampler(lengths, 10, num_replicas=2, rank=1)
+    sampler.resume(0, 3)
+    assert list(sampler) == whole[3:]
+    assert list(sampler) == whole  # once: the next epoch starts at its beginning
+
+
+def test_lengths_from_a_function_of_a_sample_are_read_once_and_bad_lengths_refused():
+    dataset = TokenSequences([5, 9, 3, 7])
+    sampler = BalancedBatchSampler(lambda s: len(s["input_ids"]), 2, dataset=dataset)
+    assert sampler.lengths == [5, 9, 3, 7]
+    assert BalancedBatchSampler(torch.tensor([5, 9, 3, 7]), 2).lengths == [5, 9, 3, 7]
+    with pytest.raises(TypeError, match="pass `dataset=` too"):
+        BalancedBatchSampler(len, 2)
+    with pytest.raises(TypeError, match="`lengths` must be each sample's length"):
+        BalancedBatchSampler(5, 2)  # type: ignore[arg-type]  # a bad value on purpose
+    with pytest.raises(ValueError, match="`lengths` must be non-negative, got -1 at position 1"):
+        BalancedBatchSampler([3, -1], 2)
+    with pytest.raises(ValueError, match="`batch_size` must be"):
+        BalancedBatchSampler([3, 1], 0)
+    with pytest.raises(ValueError, match=r"`rank` must be in \[0, num_replicas=2\), got rank=2"):
+        BalancedBatchSampler([3, 1], 2, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="Pass `batch_size` of at least 4"):
+        list(BalancedBatchSampler([3, 1, 2, 4], 2, num_replicas=4, rank=0))
+
+
+def test_lightning_rebuilds_it_with_its_distributed_sampler_and_every_argument():
+    # What `use_distributed_sampler=True` does to the train DataLoader under DDP (`_DataConnector._prepare_dataloader`).
+    lengths = lognormal(30, 4)
+    dataset = TokenSequences(lengths)
+    loader = DataLoader(dataset, batch_sampler=BalancedBatchSampler(lengths, 6, seed=7), collate_fn=pad_right)
+    injected = DistributedSampler(dataset, num_replicas=3, rank=2, shuffle=True, seed=0)
+    rebuilt = _update_dataloader(loader, injected)
+    sampler = rebuilt.batch_sampler
+    assert isinstance(sampler, BalancedBatchSampler) and sampler.sampler is injected
+    assert sampler.world() == (3, 2) and (sampler.seed, sampler.batch_size, sampler.lengths) == (7, 6, lengths)
+    _set_sampler_epoch(rebuilt, 4)  # what the fit loop calls at each epoch
+    assert sampler.epoch == 4
+    expected = BalancedBatchSampler(lengths, 6, num_replicas=3, rank=2, seed=7)
+    expected.set_epoch(4)
+    assert [b["index"].tolist() for b in rebuilt] == list(expected)
+
+
+# ---- the cost a rank's step has under split by tokens: its passes, not its tokens alone (issue 27, item 1) ----
+
+
+def bench_lengths(n: int, seed: int) -> list[int]:
+    """The rank-balance benchmark's lengths: log-normal, median 64, 8 to 512 tokens."""
+    rng = random.Random(seed)
+    return [min(512, max(8, round(math.exp(rng.gauss(math.log(64.0), 0.9))))) for _ in range(n)]
+
+
+def cut_cost(lengths: list[int], budget: int, pass_cost: float) -> float:
+    """The reference: the real cut's micro-batches (TokenCut, as split by tokens cuts), each a pass plus its padded
+    tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    cut = TokenCut(None, order, [lengths[i] for i in order], max(lengths), 1)
+    return sum(pass_cost + len(g) * lengths[order[g.start]] for g in cut.groups(budget))
+
+
+def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
+    assert balancing.MICRO_BATCH_COST == sequences.MICRO_BATCH_COST
+    for seed, budget in itertools.product(range(30), (64, 512, 1024)):
+        lengths = bench_lengths(3 + seed % 14, seed)
+        cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)
+        assert cost.of(lengths) == cut_cost(lengths, budget, 37.0)
+
+
+@pytest.mark.parametrize("ranks", [8, 64, 512])
+def test_priced_by_its_passes_the_slowest_rank_is_within_2_percent_of_the_mean_at_8_sequences_a_rank(ranks):
+    # The simulated step: each rank's share cut at 1024 tokens, a pass costing the measured fixed cost.
+    budget, pass_cost = 1024, balancing.PASS_COST_TOKENS
+    cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=pass_cost)
+    by_tokens, by_passes = [], []
+    for step in range(1 if ranks == 512 else 3):
+        lengths = bench_lengths(8 * ranks, 1000 + step)
+        for deal, out in (
+            (balancing.partition(lengths, ranks), by_tokens),
+            (balancing.deal(lengths, ranks, cost=cost), by_passes),
+        ):
+            assert sorted(i for part in deal for i in part) == list(range(len(lengths)))
+            out.append(balancing.imbalance([cut_cost([lengths[i] for i in part], budget, pass_cost) for part in deal]))
+    assert max(by_passes) < 1.02 < min(by_tokens), (by_passes, by_tokens)
+
+
+def test_the_sampler_priced_by_its_passes_deals_the_same_global_batches_closer_to_the_mean():
+    lengths = bench_lengths(8 * 8 * 3, 7)
+    plain = BalancedBatchSampler(lengths, 64, num_replicas=8, rank=0)
+    priced = BalancedBatchSampler(lengths, 64, num_replicas=8, rank=0, micro_batch_tokens=1024, pass_cost_tokens=64)
+    worst = {}
+    for name, sampler in (("plain", plain), ("priced", priced)):
+        ratios = []
+        for batch in sampler.global_batches(0):
+            deal = sampler.deal(batch, 8)
+            assert sorted(i for part in deal for i in part) == sorted(batch)
+            ratios.append(balancing.imbalance([cut_cost([lengths[i] for i in p], 1024, 64) for p in deal]))
+        worst[name] = max(ratios)
+    assert worst["priced"] < 1.02 < worst["plain"], worst
+
+
+def test_a_budget_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`micro_batch_tokens` must be at least 1, got 0"):
+        BalancedBatchSampler([4, 5], 2, num_replicas=1, micro_batch_tokens=0)
+    with pytest.raises(ValueError, match=r"`pass_cost_tokens` must be non-negative, got -1"):
+        balancing.StepCost(micro_batch_tokens=8, pass_cost_tokens=-1)

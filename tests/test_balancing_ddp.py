@@ -1,0 +1,134 @@
+"""`BalancedBatchSampler` in real runs: 2 DDP ranks (gloo) under Lightning's default ``use_distributed_sampler=True``,
+with an OOM on one rank; FSDP2; and a mid-epoch resume from a real checkpoint.
+
+Each step's update must equal the same global batch dealt at random and one full-batch pass (the token mean over the
+global batch), with identical replicas; a resumed run must train on the step batches the uninterrupted run trained on.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+
+import tests.helpers as h
+from lightning_accum.callbacks import BalancedSamplerState
+from lightning_accum.memory.oom import OOMFault
+from lightning_accum.sequences import BalancedBatchSampler
+from tests.test_ddp import load_ranks
+from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
+from tests.test_fsdp2_tokens import ShardedCausalLM
+from tests.test_fsdp2_tokens import _Save as SaveSharded
+from tests.test_token_split_ddp import SaveTokenRun, pinned_token_callback
+from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
+
+LR = 0.1
+GLOBAL = 8  # samples per step, both ranks
+LENGTHS = lognormal_lengths(4 * GLOBAL, seed=5, median=8.0, cap=20)  # 4 steps of skewed lengths, 2 to 20 tokens
+
+
+class RandomDeal(BalancedBatchSampler):
+    """The same global batches, dealt as ``DistributedSampler`` deals a shuffled order: in stride."""
+
+    def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
+        return [list(batch[r::num_replicas]) for r in range(num_replicas)]
+
+
+def ddp_run(tmp_path: Any, sampler: BalancedBatchSampler, faults: list[OOMFault]) -> list[dict[str, Any]]:
+    """A fit on 2 DDP ranks with Lightning's defaults: it rebuilds ``sampler`` with its own DistributedSampler."""
+    tmp_path.mkdir(parents=True)  # the ranks save their runs there
+    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    callback = pinned_token_callback(faults)
+    trainer = h.make_trainer(tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2)
+    trainer.fit(
+        TinyCausalLM(lr=LR), DataLoader(TokenSequences(LENGTHS, seed=3), batch_sampler=sampler, collate_fn=pad_right)
+    )
+    return load_ranks(tmp_path)
+
+
+def rank_tokens(ranks: list[dict[str, Any]]) -> list[list[int]]:
+    """Each step's tokens on each rank."""
+    return [[sum(LENGTHS[i] for i in step) for step in r["step_indices"]] for r in ranks]
+
+
+@pytest.mark.timeout(900)  # two 2-rank fits
+def test_dealt_by_cost_under_ddp_the_update_is_the_random_deals_and_the_full_batchs(tmp_path):
+    # At step 1, rank 1's first micro-batch runs out of memory: both ranks re-run the step at a smaller budget.
+    faults = [OOMFault(step=1, micro_batch=0, phase="forward", rank=1, when_size_above=24)]
+    balanced = ddp_run(tmp_path / "balanced", BalancedBatchSampler(LENGTHS, GLOBAL, seed=1), faults)
+    dealt_at_random = ddp_run(tmp_path / "random", RandomDeal(LENGTHS, GLOBAL, seed=1), [])
+    global_batches = BalancedBatchSampler(LENGTHS, GLOBAL, seed=1).global_batches(0)
+    for ranks in (balanced, dealt_at_random):  # the same global batches: the rank count plays no part in them
+        steps = zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)
+        assert [sorted(a + b) for a, b in steps] == [sorted(b) for b in global_batches]
+    assert balanced[1]["fired"] and [r["oom_retries"] for r in balanced] == [1, 1]
+
+    expected = full_batch_reference(TinyCausalLM(lr=LR), TokenSequences(LENGTHS, seed=3), global_batches, lr=LR)
+    h.assert_grads_close(balanced[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+    h.assert_grads_close(balanced[0]["step_grads"], dealt_at_random[0]["step_grads"], rtol=1e-5, atol=1e-6)
+    for ranks in (balanced, dealt_at_random):
+        h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+        for name, value in ranks[0]["params"].items():
+            torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=0, msg=f"replicas differ: {name}")
+
+    def worst(ranks: list[dict[str, Any]]) -> float:
+        tokens = rank_tokens(ranks)
+        return max(max(step) / (sum(step) / 2) for step in zip(*tokens, strict=True))
+
+    assert worst(balanced) < 1.05 < 1.2 < worst(dealt_at_random)
+
+
+def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
+    _, strategy = start_worker(rank, port)
+    callback = pinned_token_callback([OOMFault(step=1, micro_batch=0, phase="forward", rank=0)])
+    trainer = h.make_trainer(out_dir, [callback, SaveSharded(out_dir)], strategy=strategy, devices=WORLD_SIZE)
+    sampler = BalancedBatchSampler(LENGTHS, GLOBAL, seed=2)
+    loader = DataLoader(TokenSequences(LENGTHS, seed=3), batch_sampler=sampler, collate_fn=pad_right)
+    try:
+        trainer.fit(ShardedCausalLM(), loader)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_dealt_by_cost_under_fsdp2_the_update_is_the_full_batchs(tmp_path):
+    mp.start_processes(_fsdp2_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+    assert all(r["sharded"] for r in ranks) and ranks[0]["fired"] and [r["oom_retries"] for r in ranks] == [1, 1]
+    global_batches = BalancedBatchSampler(LENGTHS, GLOBAL, seed=2).global_batches(0)
+    steps = zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)
+    assert [sorted(a + b) for a, b in steps] == [sorted(b) for b in global_batches]
+    expected = full_batch_reference(
+        copy.deepcopy(ShardedCausalLM()), TokenSequences(LENGTHS, seed=3), global_batches, lr=LR
+    )
+    h.assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+    h.assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
+
+
+def single_run(root: Any, callbacks: list[Any], **fit: Any) -> TinyCausalLM:
+    model = TinyCausalLM(lr=LR)
+    sampler = BalancedBatchSampler(LENGTHS, 4, num_replicas=2, rank=1, seed=4)  # rank 1 of 2, its share of 4
+    trainer = h.make_trainer(root, [pinned_token_callback([]), *callbacks], max_epochs=2, enable_checkpointing=True)
+    trainer.fit(model, DataLoader(TokenSequences(LENGTHS, seed=3), batch_sampler=sampler, collate_fn=pad_right), **fit)
+    return model
+
+
+def test_a_run_resumed_mid_epoch_trains_on_the_step_batches_of_the_uninterrupted_run(tmp_path):
+    whole = single_run(tmp_path / "whole", [BalancedSamplerState()]).step_indices
+    assert len(whole) == 16  # 2 epochs of 8 step batches
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=11, save_top_k=-1)
+    single_run(tmp_path / "first", [BalancedSamplerState(), save])
+    (checkpoint,) = [p for p in os.listdir(tmp_path / "ckpt") if "step=11" in p]  # epoch 1, its step batch 3
+    resumed = single_run(tmp_path / "resumed", [BalancedSamplerState()], ckpt_path=tmp_path / "ckpt" / checkpoint)
+    assert resumed.step_indices == whole[11:]
