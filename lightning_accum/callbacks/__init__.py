@@ -1,6 +1,7 @@
 """Lightning callbacks (the public path): the accumulation callbacks, and `BalancedSamplerState` for the sampler.
 
-`AccumulationScheduler`, `AutoMicroBatching` and `AccumulationMonitor` live in `lightning_accum.front_ends`, beside the other front ends.
+`AccumulationScheduler`, `AutoMicroBatching` and `AccumulationMonitor` live in `lightning_accum.front_ends`, beside the
+other front ends.
 """
 
 from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
