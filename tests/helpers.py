@@ -46,6 +46,19 @@ def fsdp2_strategy(world_size: int = 2, **kwargs: Any) -> ModelParallelStrategy:
     return ModelParallelStrategy(**{**defaults, "timeout": RANK_TIMEOUT, **kwargs})
 
 
+def fabric_strategy(parallelize_fn: Callable[..., Any] | None = None) -> Any:
+    """Fabric's ``DDPStrategy`` on gloo, or its ``ModelParallelStrategy`` (FSDP2) with ``parallelize_fn``, under
+    `RANK_TIMEOUT`: the Fabric front end's ranks fail, not hang, when they disagree."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    if parallelize_fn is None:
+        return FabricDDP(process_group_backend="gloo", timeout=RANK_TIMEOUT)
+    return FabricModelParallel(
+        parallelize_fn=parallelize_fn, data_parallel_size=2, tensor_parallel_size=1, timeout=RANK_TIMEOUT
+    )
+
+
 def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 2) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them, as ``mp.start_processes``.
 

@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
@@ -48,7 +46,7 @@ class RandomDeal(BalancedBatchSampler):
 def ddp_run(tmp_path: Any, sampler: BalancedBatchSampler, faults: list[OOMFault]) -> list[dict[str, Any]]:
     """A fit on 2 DDP ranks with Lightning's defaults: it rebuilds ``sampler`` with its own DistributedSampler."""
     tmp_path.mkdir(parents=True)  # the ranks save their runs there
-    ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+    ddp = h.ddp_strategy()
     callback = pinned_token_callback(faults)
     trainer = h.make_trainer(tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2)
     trainer.fit(
@@ -103,7 +101,7 @@ def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_dealt_by_cost_under_fsdp2_the_update_is_the_full_batchs(tmp_path):
-    mp.start_processes(_fsdp2_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    h.start_ranks(_fsdp2_worker, (_free_port(), str(tmp_path)), WORLD_SIZE)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
     assert all(r["sharded"] for r in ranks) and ranks[0]["fired"] and [r["oom_retries"] for r in ranks] == [1, 1]
     global_batches = BalancedBatchSampler(LENGTHS, GLOBAL, seed=2).global_batches(0)

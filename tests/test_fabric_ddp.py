@@ -52,8 +52,8 @@ def test_two_ranks_exact(tmp_path, case):
 # ---------------------------------------------------------------------------------------------------------------------
 def _main(case: str) -> None:
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
+    import tests.helpers as h
     from lightning_accum import FabricAccumulation, FabricMicroBatching
     from lightning_accum.memory.oom import OOMFault, OOMInjector
     from lightning_accum.schedules import AdaptiveBatchSize
@@ -67,9 +67,9 @@ def _main(case: str) -> None:
             fully_shard(module.layer, mesh=mesh["data_parallel"])
             return fully_shard(module, mesh=mesh["data_parallel"])
 
-        strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1)
+        strategy = h.fabric_strategy(parallelize)
     else:
-        strategy = DDPStrategy(process_group_backend="gloo")
+        strategy = h.fabric_strategy()
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     rank = fabric.global_rank

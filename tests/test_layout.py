@@ -17,18 +17,24 @@ MAX_MODULE_LINES = 500
 PUBLIC_PATHS = {
     # what the README, the how-to pages and the examples import; each must keep importing
     "lightning_accum": ["AccumulationMonitor", "AccumulationScheduler", "AutoMicroBatching", "ManualAccumulation"],
-    "lightning_accum.callbacks": ["AccumulationMonitor", "AccumulationScheduler", "AutoMicroBatching"],
+    "lightning_accum.callbacks": [
+        "AccumulationMonitor",
+        "AccumulationScheduler",
+        "AutoMicroBatching",
+        "BalancedSamplerState",
+    ],
     "lightning_accum.items": ["CountTokens", "CountSamples"],
-    "lightning_accum.sequences": ["PaddedSequences"],
     "lightning_accum.schedules": ["AdaptiveBatchSize", "BatchSizeRamp", "StepwiseSchedule"],
     "lightning_accum.manual": ["ManualAccumulation"],
+    "lightning_accum.fabric": ["FabricAccumulation", "FabricMicroBatching"],
+    "lightning_accum.sequences": ["PaddedSequences", "BalancedBatchSampler"],
     "lightning_accum.probe": ["probe_memory", "probe_tokens", "findings", "table", "write_outputs"],
     "lightning_accum.memory": ["is_oom_error"],
     "lightning_accum.memory.oom": ["OOMInjector", "OOMFault"],
     "lightning_accum.integrations.wandb": ["read_offline_run"],
     "lightning_accum.keys": ["BATCH_KEYS"],
 }
-ROOT_MODULES = {"__init__.py", "items.py", "keys.py", "manual.py", "schedules.py", "sequences.py"}
+ROOT_MODULES = {"__init__.py", "fabric.py", "items.py", "keys.py", "manual.py", "schedules.py", "sequences.py"}
 """The package root's modules: the public faces; everything else lives in a folder."""
 
 

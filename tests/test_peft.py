@@ -18,7 +18,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may download; set before tran
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -133,7 +132,7 @@ def test_lora_update_is_one_full_batch_token_mean_and_the_base_is_frozen(tmp_pat
     model = LoraLM(split_mode=split)
     initial = copy.deepcopy(model.model)
     assert 0 < sum(p.numel() for p in trainable(initial).values()) < sum(p.numel() for p in initial.parameters())
-    strategy: Any = DDPStrategy(start_method="spawn", process_group_backend="gloo") if devices == 2 else "auto"
+    strategy: Any = h.ddp_strategy() if devices == 2 else "auto"
     trainer = h.make_trainer(
         tmp_path, [callback(mode, devices), SaveRun(str(tmp_path))], strategy=strategy, devices=devices
     )

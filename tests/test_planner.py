@@ -585,7 +585,8 @@ def test_in_a_real_cpu_run_the_planner_stops_shrinking_once_it_stops_helping(tmp
     from torch.utils.data import DataLoader
 
     from lightning_accum import AutoMicroBatching
-    from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
+    from lightning_accum.memory.backends import CPUBackend
+    from lightning_accum.memory.host import trim_cpu_heap
     from tests.helpers import FP32, TokenDataset, assert_grads_close, count_tokens, make_trainer, replay_reference
 
     # The budget is under the process's own resident set: no micro-batch can meet it. Freed heap memory that earlier

@@ -19,7 +19,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
@@ -155,7 +154,7 @@ def plain_fit(tmp_path: Path, mode: str, max_epochs: int) -> list[dict[str, Any]
     trainer = h.make_trainer(
         out_dir,
         [accumulation(mode), AccumulationMonitor(), SaveRun(str(out_dir))],
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
+        strategy=h.ddp_strategy(),
         devices=2,
         max_epochs=max_epochs,
     )

@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, BatchSizeRamp
-from lightning_accum.schedules import ConstantSchedule, StepwiseSchedule, count_optimizer_steps
+from lightning_accum.core.stepping import count_optimizer_steps
+from lightning_accum.schedules import ConstantSchedule, StepwiseSchedule
 from tests.helpers import IndexedDataset, RegressionModel, make_trainer
 
 

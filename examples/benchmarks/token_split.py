@@ -53,7 +53,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_accum import AccumulationMonitor, AutoMicroBatching
 from lightning_accum.items import CountTokens
-from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
+from lightning_accum.memory.backends import CPUBackend
+from lightning_accum.memory.host import trim_cpu_heap
 from lightning_accum.sequences import PaddedSequences
 
 VOCAB = 256  # bytes

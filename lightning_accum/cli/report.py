@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_accum import keys
 from lightning_accum.cli._common import CommandError, check_output_file
+from lightning_accum.cli.report_summary import Series, finite_values, splits_by_tokens, summarize
 from lightning_accum.integrations.wandb import (
     PANEL_LAYOUT,
     STEP_METRIC,
@@ -31,9 +32,6 @@ from lightning_accum.monitor.rows import BUDGET_FRACTION
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-Series = dict[str, list[tuple[float, float]]]
-"""key -> ``(step, value)`` points, in logging order."""
 
 _COLUMNS = 3
 # Limits, not measurements: drawn dashed so the eye reads them as the line not to cross.
@@ -274,7 +272,9 @@ def build_figure(series: Series, *, title: str = "", layout: Sequence[SectionSpe
     FigureCanvasAgg(figure)
     if title:
         figure.suptitle(title, fontsize=13, fontweight="bold")
-    context = _Context(series, x_range=_x_range(series, layout), events=_event_steps(series), tokens=_by_tokens(series))
+    context = _Context(
+        series, x_range=_x_range(series, layout), events=_event_steps(series), tokens=splits_by_tokens(series)
+    )
     subfigures = figure.subfigures(len(sections), 1, height_ratios=rows_per_section, squeeze=False)[:, 0]
     for (section, panels), subfigure, n_rows in zip(sections, subfigures, rows_per_section, strict=True):
         subfigure.suptitle(_section_title(section, series), fontsize=12, fontweight="bold", x=0.01, ha="left")
@@ -403,15 +403,11 @@ def _draw_key(ax: Any, panel: PanelSpec, key: str, context: _Context) -> list[fl
     return [v for v in values if math.isfinite(v)]
 
 
-def _budgets(series: Series) -> list[float]:
-    return [v for _, v in series.get(BUDGET_FRACTION, []) if v < 1]
-
-
 def _budget_points(ax: Any, series: Series) -> list[tuple[float, float]]:
     # The budget line where it reads: a budget of 1.0 is "none" (window mode), and one far above the peak would
     # flatten the peak's line to zero. Either is then a legend entry instead of a line.
     points = [(s, v) for s, v in series.get(BUDGET_FRACTION, []) if v < 1]
-    peaks = _values(series, keys.PEAK_FRACTION)
+    peaks = finite_values(series, keys.PEAK_FRACTION)
     if not series.get(BUDGET_FRACTION):
         return []
     if not points:
@@ -441,152 +437,3 @@ def _set_y_range(ax: Any, panel: PanelSpec, values: list[float]) -> None:
     if low is not None and high is not None:
         low -= 0.02 * (high - low)  # a line at the floor (no OOMs: 0 throughout) would hide under the frame
     ax.set_ylim(low, high)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# the text summary
-# ------------------------------------------------------------------------------------------------------------------
-def summarize(series: Series) -> str:
-    """One paragraph on the run, for people and for logs.
-
-    It says: the steps, the effective batch, the micro-batch range and where it settled (split by tokens: the token
-    budget's, and the padding), the OOMs recovered and at which steps, the peak memory against the budget, and the
-    throughput.
-    """
-    parts = (
-        _steps_text(series),
-        _batch_text(series),
-        _tokens_text(series),
-        _oom_text(series),
-        _memory_text(series),
-        _speed_text(series),
-    )
-    return " ".join(part for part in parts if part)
-
-
-def _values(series: Series, key: str) -> list[float]:
-    return [v for _, v in series.get(key, []) if math.isfinite(v)]
-
-
-def _int(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
-
-
-def _steps_text(series: Series) -> str:
-    steps = sorted({s for key in layout_keys() for s, _ in series.get(key, [])})
-    if not steps:
-        return "No lightning_accum metrics were logged."
-    first, last = steps[0], steps[-1]
-    logged = "" if len(steps) == last - first + 1 else f", logged at {len(steps)} of them"
-    return f"{_int(last - first + 1)} optimizer steps (steps {_int(first)} to {_int(last)}{logged})."
-
-
-def _batch_text(series: Series) -> str:
-    texts = []
-    effective = _changes(series.get(keys.EFFECTIVE_BATCH_SIZE, []))
-    if len(effective) == 1:
-        texts.append(f"Effective batch {_int(effective[0][1])} samples per step throughout")
-    elif 1 < len(effective) <= 4:
-        later = ", ".join(f"{_int(v)} from step {_int(s)}" for s, v in effective[1:])
-        texts.append(f"Effective batch {_int(effective[0][1])} samples per step, {later}")
-    elif effective:
-        values = _values(series, keys.EFFECTIVE_BATCH_SIZE)
-        texts.append(f"Effective batch {_int(min(values))} to {_int(max(values))} samples per step")
-    micro = _changes(series.get(keys.MICRO_BATCH_SIZE, []))
-    if micro and _by_tokens(series):  # the samples a micro-batch holds follow the lengths: they never settle
-        values = _values(series, keys.MICRO_BATCH_SIZE)
-        low, high = _int(min(values)), _int(max(values))
-        texts.append(f"the largest micro-batch {low if low == high else f'{low} to {high}'} samples")
-    elif micro:
-        texts.append(_settled_text(series, keys.MICRO_BATCH_SIZE, "micro-batch", "samples"))
-    k = _values(series, keys.ACCUMULATION_STEPS)
-    if k:
-        texts.append(f"k = {_int(k[-1])} at the end{_ranks(series)}")
-    return "; ".join(texts) + "." if texts else ""
-
-
-def _settled_text(series: Series, key: str, what: str, unit: str) -> str:
-    """``what N unit throughout``, or ``what low to high unit, settled at N from step s``: a size over the run."""
-    changes = _changes(series.get(key, []))
-    if len(changes) == 1:
-        return f"{what} {_int(changes[0][1])} {unit} throughout"
-    values = _values(series, key)
-    since, last = changes[-1]
-    return f"{what} {_int(min(values))} to {_int(max(values))} {unit}, settled at {_int(last)} from step {_int(since)}"
-
-
-def _changes(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    # The first point and every point whose value differs from the one before: where a quantity moved.
-    return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
-
-
-def _by_tokens(series: Series) -> bool:
-    return bool(series.get(keys.MICRO_BATCH_TOKENS))
-
-
-def _tokens_text(series: Series) -> str:
-    # Split by tokens: the token budget (and where it settled, if it moved) and the padding computed.
-    budgets = _changes(series.get(keys.MICRO_BATCH_TOKENS, []))
-    if not budgets:
-        return ""
-    text = _settled_text(series, keys.MICRO_BATCH_TOKENS, "Token budget", "padded tokens per micro-batch")
-    padding = _values(series, keys.PADDING_FRACTION)
-    if padding:
-        text += f"; padding {_median(padding):.1%} of the token positions computed (median of the logged steps)"
-    return text + "."
-
-
-def _ranks(series: Series) -> str:
-    # The world size the last step implies (effective = micro-batch x k x ranks); said only when it is over 1. Not
-    # by tokens: micro-batches then hold different numbers of samples, and ranks run different numbers of them.
-    if _by_tokens(series):
-        return ""
-    last = [
-        _values(series, key)[-1:] for key in (keys.EFFECTIVE_BATCH_SIZE, keys.MICRO_BATCH_SIZE, keys.ACCUMULATION_STEPS)
-    ]
-    if not all(last):
-        return ""
-    ranks = last[0][0] / (last[1][0] * last[2][0])
-    return f" on {ranks:.0f} ranks" if ranks > 1 and ranks.is_integer() else ""
-
-
-def _oom_text(series: Series) -> str:
-    retries = _values(series, keys.OOM_RETRIES)
-    steps = [s for s, _ in series.get(keys.EVENT_OOM_RECOVERED, [])]
-    count = int(retries[-1]) if retries else len(steps)
-    if not count and not steps:
-        return "No OOMs." if retries else ""
-    where = f" (at step{'s' if len(steps) > 1 else ''} {', '.join(_int(s) for s in steps)})" if steps else ""
-    return f"{count} OOM{'s' if count != 1 else ''} recovered{where}."
-
-
-def _memory_text(series: Series) -> str:
-    peaks, fractions = _values(series, keys.PEAK_GIB), _values(series, keys.PEAK_FRACTION)
-    if not peaks:
-        return ""
-    capacity = _values(series, keys.CAPACITY_GIB)
-    of = f" ({max(fractions):.1%} of {capacity[-1]:.3g} GiB)" if fractions and capacity else ""
-    text = f"Peak memory {max(peaks):.3g} GiB{of}"
-    budgets = _budgets(series)
-    if not budgets:
-        return text + ", with no memory budget set."
-    budget_at = dict(series.get(BUDGET_FRACTION, []))
-    over = sum(1 for s, f in series.get(keys.PEAK_FRACTION, []) if f > budget_at.get(s, math.inf))
-    where = f", over it at {over} logged step{'s' if over != 1 else ''}" if over else ", within it"
-    return f"{text} against a budget of {budgets[-1]:.1%}{where}."
-
-
-def _speed_text(series: Series) -> str:
-    samples, items = _values(series, keys.SAMPLES_PER_SEC), _values(series, keys.ITEMS_PER_SEC)
-    if not samples:
-        return ""
-    text = f"Throughput {_median(samples):,.0f} samples/s (median)"
-    if items and items != samples:
-        text += f", {_median(items):,.0f} items/s"
-    return text + "."
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -15,13 +15,13 @@ from lightning_accum._util.cli_types import ImportPath, Milestones, PositiveInt
 from lightning_accum.core.engine import ClosedWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import LossSum
+from lightning_accum.core.stepping import count_optimizer_steps
 from lightning_accum.front_ends._owner import AccumulationOwner, log_info, ranks_of
 from lightning_accum.schedules import (
     AccumulationSchedule,
     ConstantSchedule,
     ScheduleUnit,
     as_schedule,
-    count_optimizer_steps,
     scale_learning_rates,
 )
 

@@ -8,14 +8,11 @@ publishes what each step did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -28,17 +25,25 @@ from lightning_accum._util.cli_types import (
     OpenUnitInterval,
     PositiveInt,
 )
-from lightning_accum._util.distributed import max_across_ranks
 from lightning_accum._util.validation import check_bool, check_choice
 from lightning_accum.core.engine import ClosedWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent
+from lightning_accum.front_ends._cold_start import PreflightStart
 from lightning_accum.front_ends._owner import AccumulationOwner, log, log_info
-from lightning_accum.memory.backends import MemoryBackend, backend_for, free_bytes
+from lightning_accum.front_ends._split_checks import (
+    ACCUMULATE_GRAD_BATCHES_CHANGED,
+    GRADIENT_ACCUMULATION_SCHEDULER,
+    SAMPLE_COUNT_BY_TOKENS,
+    refuse_what_split_mode_cannot_run,
+    warn_about_batch_norm,
+    warn_about_overlap_waits,
+)
+from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
-from lightning_accum.memory.oom import OOMInjector, describe_error, release_cached_memory
+from lightning_accum.memory.oom import OOMInjector, release_cached_memory
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
+from lightning_accum.probe.preflight import Preflight
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
 from lightning_accum.split.planner_settings import PlannerSettings
@@ -52,8 +57,7 @@ from lightning_accum.split.sync import (
     resolve_gradient_sync,
     sync_policy,
 )
-from lightning_accum.split.tokens import TokenCut
-from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn
+from lightning_accum.splitting import BatchSizeFn, SplitBatchFn
 
 __all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]
 
@@ -197,7 +201,7 @@ class AutoMicroBatching(AccumulationOwner):
         self._retries_at_start = 0
         self._size_shrunk = False
         self._decided: list[PlannerEvent] = []  # the last step's shrink or grow, logged when the next step starts
-        self._warned_sample_count = False  # `_SAMPLE_COUNT_BY_TOKENS`, once per callback
+        self._warned_sample_count = False  # `SAMPLE_COUNT_BY_TOKENS`, once per callback
         self._capacity_bytes = 0
         self._closed: ClosedWindow | None = None
         self._cold = False  # the first step of a run that has not chosen a size yet
@@ -211,15 +215,15 @@ class AutoMicroBatching(AccumulationOwner):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_what_split_mode_cannot_run(trainer, pl_module)
+        refuse_what_split_mode_cannot_run(trainer, pl_module)
         strategy = trainer.strategy
         self.gradient_sync = resolve_gradient_sync(strategy, self._gradient_sync_given)
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # undeclared on Lightning's Trainer
-            raise RuntimeError(_GRADIENT_ACCUMULATION_SCHEDULER)
-        _warn_about_batch_norm(pl_module)
+            raise RuntimeError(GRADIENT_ACCUMULATION_SCHEDULER)
+        warn_about_batch_norm(pl_module)
         if not self._warned_sample_count:
             self._warned_sample_count = _warn_about_the_sample_count(self)
-        _warn_about_overlap_waits(trainer, self.gradient_sync)
+        warn_about_overlap_waits(trainer, self.gradient_sync)
         self.engine.resolve_hooks(pl_module, split_batch=self._split_batch, batch_size_of=self._batch_size_of)
         self._claim(trainer)
 
@@ -294,7 +298,7 @@ class AutoMicroBatching(AccumulationOwner):
         if trainer.accumulate_grad_batches != 1:
             # Set after `setup` (by a callback such as `GradientAccumulationScheduler`, or by hand): Lightning would
             # skip optimizer steps, and split mode would silently drop step batches.
-            raise ValueError(_ACCUMULATE_GRAD_BATCHES_CHANGED.format(trainer=trainer))
+            raise ValueError(ACCUMULATE_GRAD_BATCHES_CHANGED.format(trainer=trainer))
         if self._size_shrunk:
             _release_what_the_larger_size_held()
             self._size_shrunk = False
@@ -412,123 +416,8 @@ def _token_figures(budget: int, closed: ClosedWindow) -> tuple[int, float]:
     return budget, (1.0 - real / padded) if padded > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class PreflightStart:
-    """The cold start of an ``"auto"`` run: trace the first step, and start at the largest size predicted to fit.
-
-    The trace runs on fake tensors, on every rank alike (`run`). By tokens (``sequences``), the sizes are token
-    budgets.
-    """
-
-    trainer: pl.Trainer
-    pl_module: pl.LightningModule
-    batch: Any
-    planner: MicroBatchPlanner
-    hooks: BatchHooks
-    backend: MemoryBackend
-    sequences: PaddedSequences | None = None
-
-    def run(self) -> Preflight | None:
-        """Start the planner where this rank's and every other rank's traces allow; returns this rank's trace.
-
-        Every rank calls one small all-reduce here, whatever its trace found (an error included): the smallest
-        prediction wins, and a failed trace on any rank means every rank starts from the whole step batch, as
-        without a pre-flight.
-        """
-        found: Preflight | None = None
-        try:
-            start, why, found = self._predicted()
-        except Exception as err:  # e.g. a batch the hooks can't count: the first step's own checks will say so
-            start, why = None, f"{type(err).__name__}: {describe_error(err)}"
-        # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
-        local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
-        failed, negative_start = (int(v) for v in max_across_ranks(self.trainer, local).tolist())
-        if failed:
-            rank_zero_warn(fallback_warning(why if start is None else None))
-            return found
-        planner = self.planner
-        planner.start_from(-negative_start)
-        assert found is not None
-        small, large = sorted(found.peaks)
-        step_size = self._first_cut()[1]
-        counts = " tokens" if self.sequences is not None else ""
-        log_info(
-            f"lightning_accum: pre-flight traced micro-batches of {small} and {large}{counts} on fake tensors in"
-            f" {found.seconds:.2f} s; starting at {planner.unit.noun} {planner.size_for(step_size)} of {step_size}"
-        )
-        return found
-
-    def _first_cut(self) -> tuple[BatchHooks | TokenCut, int]:
-        """How the trace cuts the first step batch, and the batch's size in the planner's unit."""
-        if self.sequences is None:
-            return self.hooks, self.hooks.batch_size(self.batch)
-        cut = self.sequences.cut(self.batch, self.hooks)
-        self.planner.unit.set_longest(cut.longest)
-        return cut, cut.tokens
-
-    def _predicted(self) -> tuple[int | None, str, Preflight | None]:
-        """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
-        planner, trainer, backend = self.planner, self.trainer, self.backend
-        budget = planner.budget_bytes
-        cutter, step_size = self._first_cut()
-        small, large = max(1, step_size // 4), max(1, step_size // 2)
-        if small == large or budget is None:
-            return None, f"a step batch of {step_size} {planner.unit.counts} is too small to trace at two sizes", None
-        found = preflight(
-            self.pl_module,
-            self.batch,
-            (small, large),
-            optimizers=trainer.optimizers,
-            precision=trainer.precision,
-            hooks=cutter,
-        )
-        if found.peak_model is None:
-            return None, str(found.reason), found
-        start = found.starting_micro_batch_size(budget, step_size, backend.current_bytes(), free_bytes(backend))
-        # Predicted not to fit at all: begin where an OOM would end up.
-        return (planner.unit.floor(planner.settings) if start is None else start), "", found
-
-
-def _refuse_what_split_mode_cannot_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    if not pl_module.automatic_optimization:
-        raise RuntimeError(
-            "`AutoMicroBatching` needs automatic optimization, but this LightningModule sets"
-            " `automatic_optimization = False`. Under manual optimization, split the batch yourself and use"
-            " `lightning_accum.ManualAccumulation`."
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` cannot be combined with"
-            " `AutoMicroBatching`: in split mode each dataloader batch is one optimizer step. Remove"
-            " `accumulate_grad_batches` and make the dataloader yield the whole per-device step batch."
-        )
-
-
-_GRADIENT_ACCUMULATION_SCHEDULER = (
-    "Lightning's `GradientAccumulationScheduler` cannot be combined with `AutoMicroBatching`: it sets"
-    " `trainer.accumulate_grad_batches` at each epoch start, and in split mode each dataloader batch is one optimizer"
-    " step. Remove `GradientAccumulationScheduler`; to grow the effective batch size, make the dataloader yield"
-    " larger step batches (`AutoMicroBatching` splits them to fit memory), or use `AccumulationScheduler` (window"
-    " mode) instead of `AutoMicroBatching`."
-)
-_ACCUMULATE_GRAD_BATCHES_CHANGED = (
-    "`trainer.accumulate_grad_batches` became {trainer.accumulate_grad_batches} at epoch {trainer.current_epoch}, but"
-    " `AutoMicroBatching` needs 1: in split mode each dataloader batch is one optimizer step. Remove whatever sets it"
-    " (e.g. a `GradientAccumulationScheduler`), and make the dataloader yield larger step batches to grow the"
-    " effective batch size."
-)
-
 # Split by tokens, micro-batches hold very different numbers of tokens: weighting each micro-batch's token mean by its
 # samples is the "mean of means" this package exists to fix, and it is silent (1.2x off on the issue's run).
-_SAMPLE_COUNT_BY_TOKENS = (
-    "`count_items` is None (the default: each micro-batch counts its samples) with `sequences={sequences!r}`."
-    " Split by tokens, micro-batches hold very different numbers of tokens, so a loss that averages over tokens gets"
-    " an update that is not the full batch's. Count the loss-bearing tokens:"
-    ' `count_items=CountTokens("labels", shift=1)` (`from lightning_accum.items import CountTokens`; `shift=1` for a'
-    " model that shifts its labels inside, as Hugging Face causal LMs do, `shift=0` for labels already shifted), in"
-    " a LightningCLI config `count_items: {{class_path: lightning_accum.items.CountTokens, init_args: {{key: labels,"
-    " shift: 1}}}}`. If the loss is a mean over samples, pass `count_items=CountSamples()` to say so."
-)
 
 
 def _release_what_the_larger_size_held() -> None:
@@ -541,36 +430,8 @@ def _release_what_the_larger_size_held() -> None:
 
 
 def _warn_about_the_sample_count(callback: AutoMicroBatching) -> bool:
-    """Warn where split by tokens counts samples for a mean loss (`_SAMPLE_COUNT_BY_TOKENS`); whether it warned."""
+    """Warn where split by tokens counts samples for a mean loss (`SAMPLE_COUNT_BY_TOKENS`); whether it warned."""
     if callback.sequences is None or callback.count_items is not None or callback.loss_reduction != "mean":
         return False
-    rank_zero_warn(_SAMPLE_COUNT_BY_TOKENS.format(sequences=callback.sequences))
+    rank_zero_warn(SAMPLE_COUNT_BY_TOKENS.format(sequences=callback.sequences))
     return True
-
-
-def _warn_about_overlap_waits(trainer: pl.Trainer, gradient_sync: GradientSync) -> None:
-    """Warn where an OOM in the synced backward could leave the other ranks waiting out a long NCCL timeout."""
-    strategy = trainer.strategy
-    backend = getattr(strategy, "process_group_backend", None)
-    warning = overlap_wait_warning(gradient_sync, trainer.world_size, backend, _compat.process_group_timeout(strategy))
-    if warning:
-        rank_zero_warn(warning)
-
-
-def _warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
-    layers = [
-        f"{name}: {type(module).__name__}"
-        for name, module in pl_module.named_modules()
-        if isinstance(module, _BatchNorm)
-    ]
-    if not layers:
-        return
-    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
-    rank_zero_warn(
-        f"The LightningModule has batch-norm layers ({shown}). `AutoMicroBatching` runs the step batch in"
-        " micro-batches, and batch norm normalizes each micro-batch over its own samples, so the update is not the"
-        " full-batch update (the one part of split mode that is not exact) and the running statistics differ too."
-        " Use GroupNorm or LayerNorm, or keep the step batch in one piece with"
-        " `AutoMicroBatching(<step batch size>, pin_micro_batch_size=True)` if it fits (it is still split after an"
-        " OOM)."
-    )

@@ -33,11 +33,12 @@ from lightning_accum._util.validation import check_int
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
-from lightning_accum.front_ends._owner import ranks_of
+from lightning_accum.front_ends._owner import log, log_info, ranks_of
 from lightning_accum.memory.backends import backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector
-from lightning_accum.monitor.monitoring import FitSummary, event_metrics, step_metrics, to_gib
+from lightning_accum.monitor.rows import event_metrics, step_metrics, to_gib
+from lightning_accum.monitor.summary import FitSummary
 from lightning_accum.probe.preflight import preflight
 from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
 from lightning_accum.sequences import PaddedSequences
@@ -366,13 +367,16 @@ class FabricMicroBatching(_FabricFrontEnd):
         if not failed:
             self.planner.start_from(-negative)
 
-    def _recovered(self, size: int, detail: str) -> None:
+    def _recovered(self, size: int, detail: str, here: bool) -> None:
         self.oom_retries += 1
+        message = f"lightning_accum: OOM at {self.planner.unit.noun} {size} ({detail}); retrying the step"
+        # Rank 0 speaks for every rank; a rank that ran out of memory also says so, with its own error.
+        (log.info if here else log_info)(message)
         self._take_planner_events()
 
     def _take_planner_events(self) -> None:
         for event in self.planner.take_events():
-            self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason))
+            self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason, event.unit))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "planner": self.planner.state_dict()}

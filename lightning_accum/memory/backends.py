@@ -14,18 +14,14 @@ What "peak" means differs by device, and the metric docs say so:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 import resource
-import sys
-from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from lightning_accum._util.validation import check_int
+from lightning_accum.memory.host import cgroup_limit, physical_memory, proc_kib, ru_maxrss_bytes
 
 _KIB = 1024
 # The device types `DeviceBackend` serves, as its messages name them.
@@ -231,7 +227,7 @@ class MPSBackend:
 
     def capacity_bytes(self) -> int:
         fn = getattr(torch.mps, "recommended_max_memory", None)
-        return int(fn()) if fn is not None else _physical_memory()
+        return int(fn()) if fn is not None else physical_memory()
 
     def alloc_retries(self) -> int:
         return 0
@@ -286,13 +282,13 @@ class CPUBackend:
         self._sampled_peak = 0
 
     def _status_kib(self, field: str) -> int | None:
-        return _proc_kib(os.path.join(self._proc_dir, "status"), field)
+        return proc_kib(os.path.join(self._proc_dir, "status"), field)
 
     def current_bytes(self) -> int:
         kib = self._status_kib("VmRSS")
         if kib is None:
             # No /proc (macOS): ru_maxrss is the best figure the standard library offers.
-            current = _ru_maxrss_bytes()
+            current = ru_maxrss_bytes()
         else:
             current = kib * _KIB
         self._sampled_peak = max(self._sampled_peak, current)
@@ -332,7 +328,7 @@ class CPUBackend:
         vm_size = self._status_kib("VmSize")
         if soft != resource.RLIM_INFINITY and soft > 0 and vm_size is not None:
             candidates.append(max(0, int(soft) - vm_size * _KIB))
-        available = _proc_kib("/proc/meminfo", "MemAvailable")
+        available = proc_kib("/proc/meminfo", "MemAvailable")
         if available is not None:
             candidates.append(available * _KIB)
         return min(candidates) if candidates else None
@@ -340,8 +336,8 @@ class CPUBackend:
     def capacity_bytes(self) -> int:
         if self._capacity is not None:
             return self._capacity
-        limits = [_physical_memory()]
-        cgroup = _cgroup_limit(self._cgroup_root, os.path.join(self._proc_dir, "cgroup"))
+        limits = [physical_memory()]
+        cgroup = cgroup_limit(self._cgroup_root, os.path.join(self._proc_dir, "cgroup"))
         if cgroup is not None:
             limits.append(cgroup)
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -354,25 +350,6 @@ class CPUBackend:
 
     def __repr__(self) -> str:
         return f"CPUBackend(capacity_bytes={self._capacity})"
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None  # not glibc (musl, macOS): nothing to trim
-
-
-def trim_cpu_heap() -> None:
-    """Return freed heap pages to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
-
-    Freed tensors stay resident in glibc's heap, so without a trim the resident set does not fall when the working
-    set shrinks, e.g. after a smaller micro-batch size was chosen.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def backend_for(device: torch.device | str) -> MemoryBackend:
@@ -426,83 +403,7 @@ def _as_device(device: torch.device | str | int, default_type: str) -> torch.dev
     )
 
 
-def _proc_kib(path: str, field: str) -> int | None:
-    """``field`` of a ``/proc`` file of ``Name:  value kB`` lines (``status``, ``meminfo``), in KiB, or ``None``."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def free_bytes(backend: MemoryBackend) -> int | None:
     """``backend.free_bytes()`` where the backend has it (CPU, CUDA, XPU), else ``None``."""
     method = getattr(backend, "free_bytes", None)
     return None if method is None else method()
-
-
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        # No sysconf names (Windows): the peak RSS so far is a useless capacity, so report "unknown" as huge.
-        return _NO_LIMIT
-
-
-def _ru_maxrss_bytes() -> int:
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS reports bytes.
-    return int(maxrss if sys.platform == "darwin" else maxrss * _KIB)
-
-
-def _read_limit(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if 0 < value < _NO_LIMIT else None
-
-
-def _cgroup_paths(cgroup_file: str) -> tuple[str | None, str | None]:
-    """This process's (v2, v1 memory controller) cgroup paths from ``/proc/self/cgroup``."""
-    v2 = v1 = None
-    try:
-        with open(cgroup_file) as f:
-            for line in f:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) != 3:
-                    continue
-                _, controllers, path = parts
-                if controllers == "":
-                    v2 = path
-                elif "memory" in controllers.split(","):
-                    v1 = path
-    except OSError:
-        pass
-    return v2, v1
-
-
-def _ancestors(path: str | None) -> Sequence[str]:
-    """``/a/b`` -> ``["a/b", "a", ""]``: a limit on any ancestor cgroup also bounds this process."""
-    parts = [p for p in (path or "").split("/") if p]
-    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
-def _cgroup_limit(root: str, cgroup_file: str) -> int | None:
-    v2_path, v1_path = _cgroup_paths(cgroup_file)
-    candidates = [os.path.join(root, rel, "memory.max") for rel in _ancestors(v2_path)]
-    candidates += [os.path.join(root, "memory", rel, "memory.limit_in_bytes") for rel in _ancestors(v1_path)]
-    # Inside a container the paths in /proc/self/cgroup often don't exist (the namespace root is mounted instead),
-    # so a missing file is skipped and the root files above are still read.
-    limits = [limit for limit in (_read_limit(p) for p in dict.fromkeys(candidates)) if limit is not None]
-    return min(limits) if limits else None

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_accum.memory.backends import trim_cpu_heap
 from lightning_accum.memory.budget import GIB
+from lightning_accum.memory.host import trim_cpu_heap
 
 Phase = Literal["forward", "backward"]
 OOMFlavor = Literal["cpu", "cuda"]

@@ -24,8 +24,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.memory.backends import CPUBackend, trim_cpu_heap
+from lightning_accum.memory.backends import CPUBackend
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeTarget, Target
+from lightning_accum.memory.host import trim_cpu_heap
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker

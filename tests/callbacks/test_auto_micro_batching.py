@@ -651,7 +651,7 @@ def test_overlap_under_nccl_with_a_long_timeout_is_warned_about(gradient_sync, w
     from datetime import timedelta
 
     from lightning_accum import _compat
-    from lightning_accum.front_ends.auto_micro_batching import overlap_wait_warning
+    from lightning_accum.split.sync import overlap_wait_warning
     from tests.helpers import ddp_strategy
 
     timeout = _compat.process_group_timeout(ddp_strategy(timeout=timedelta(minutes=minutes)))
