@@ -148,7 +148,7 @@ def test_a_lightning_without_the_internal_is_refused_by_name(tmp_path, monkeypat
         "split": lambda: _compat.install_split_closure(trainer, lambda context: None),
         "last": lambda: _compat.is_last_training_batch(trainer),
     }
-    with pytest.raises(RuntimeError, match=rf"has no `{owner.__name__}.{name}`, {message}\. Use lightning>=2\.2"):
+    with pytest.raises(RuntimeError, match=rf"has no `{owner.__name__}.{name}`, {message}\. Use lightning>=2\.4,<2\.7\."):
         calls[call]()
 
 
@@ -159,7 +159,7 @@ def test_an_unsupported_lightning_is_refused_before_anything_is_patched(tmp_path
         lambda: _compat.install_window_control(trainer, lambda: True, lambda: True),
         lambda: _compat.install_split_closure(trainer, lambda context: None),
     ):
-        with pytest.raises(RuntimeError, match=r"lightning_accum supports lightning>=2\.2,<2\.7, found "):
+        with pytest.raises(RuntimeError, match=r"lightning_accum supports lightning>=2\.4,<2\.7, found "):
             install()
     assert not {"_make_zero_grad_fn", "_make_closure"} & set(vars(trainer.fit_loop.epoch_loop.automatic_optimization))
 
