@@ -15,9 +15,9 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_accum import sequences
-from lightning_accum.sequences import BalancedBatchSampler, TokenCut
-from lightning_accum.split import balancing
+from lightning_accum.sequences import BalancedBatchSampler
+from lightning_accum.split import balancing, tokens
+from lightning_accum.split.tokens import TokenCut
 from tests.token_models import TokenSequences, pad_right
 
 
@@ -191,7 +191,7 @@ def cut_cost(lengths: list[int], budget: int, pass_cost: float) -> float:
 
 
 def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
-    assert balancing.MICRO_BATCH_COST == sequences.MICRO_BATCH_COST
+    assert balancing.MICRO_BATCH_COST == tokens.MICRO_BATCH_COST
     for seed, budget in itertools.product(range(30), (64, 512, 1024)):
         lengths = bench_lengths(3 + seed % 14, seed)
         cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)

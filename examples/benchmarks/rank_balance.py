@@ -6,7 +6,7 @@
 log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank`` sequences is
 dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
 (`lightning_accum.sequences.BalancedBatchSampler.deal`); each rank cuts its share as split mode by tokens does
-(`lightning_accum.sequences.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
+(`lightning_accum.split.tokens.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
 the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
 global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
 backward) can be timed apart from the wait at the sync. Each repeat runs both deals, in alternating order. Reported:
@@ -39,8 +39,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_accum.sequences import BalancedBatchSampler, TokenCut
+from lightning_accum.sequences import BalancedBatchSampler
 from lightning_accum.split import balancing
+from lightning_accum.split.tokens import TokenCut
 
 VOCAB, DIM, HEADS, MAX_LEN = 256, 64, 4, 512
 BUDGET = 1024  # padded tokens a micro-batch

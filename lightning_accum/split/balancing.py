@@ -60,7 +60,7 @@ CLOSE_ENOUGH = 1.01
 """`refine` moves samples off the ranks over this factor of the mean (1%: inside timing noise); none over it: done."""
 
 MICRO_BATCH_COST = 32
-"""`lightning_accum.sequences.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they agree)."""
+"""`lightning_accum.split.tokens.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they agree)."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -173,9 +173,9 @@ class StepCost:
     For each micro-batch its cut makes: the pass's fixed cost plus its padded tokens (plus attention's quadratic term).
 
     Split by tokens cuts a rank's step batch longest first into micro-batches of at most ``micro_batch_tokens`` padded
-    tokens (`lightning_accum.sequences.TokenCut.groups`). Each is a forward and backward pass with a fixed cost beyond
-    its tokens, so two ranks with the same tokens but a different number of passes do not cost the same: dealing by
-    tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008, compute to
+    tokens (`lightning_accum.split.tokens.TokenCut.groups`). Each is a forward and backward pass with a fixed cost
+    beyond its tokens, so two ranks with the same tokens but a different number of passes do not cost the same: dealing
+    by tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008, compute to
     1.04-1.08).
 
     Attributes:
@@ -228,7 +228,7 @@ class StepCost:
 def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each micro-batch split by tokens cuts ``ordered`` (lengths, longest first) into.
 
-    At a budget of ``budget`` padded tokens: `lightning_accum.sequences.TokenCut.groups`' shortest path, in plain
+    At a budget of ``budget`` padded tokens: `lightning_accum.split.tokens.TokenCut.groups`' shortest path, in plain
     Python for the few sequences of a rank's share (TokenCut's is vectorized for thousands);
     tests/test_balancing.py checks they cut alike.
 

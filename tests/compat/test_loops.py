@@ -148,7 +148,9 @@ def test_a_lightning_without_the_internal_is_refused_by_name(tmp_path, monkeypat
         "split": lambda: _compat.install_split_closure(trainer, lambda context: None),
         "last": lambda: _compat.is_last_training_batch(trainer),
     }
-    with pytest.raises(RuntimeError, match=rf"has no `{owner.__name__}.{name}`, {message}\. Use lightning>=2\.4,<2\.7\."):
+    with pytest.raises(
+        RuntimeError, match=rf"has no `{owner.__name__}.{name}`, {message}\. Use lightning>=2\.4,<2\.7\."
+    ):
         calls[call]()
 
 
