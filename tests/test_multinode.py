@@ -213,7 +213,7 @@ def test_split_mode_oom_on_one_node_is_agreed_by_every_rank_and_exact(tmp_path):
         ("oom_recovered", 1, micro, half),
         ("grow", 2, half, micro),
         ("oom_recovered", 3, micro, half),
-        ("grow", 4, half, micro),  # planned after the last step, for a next one
+        # The grow planned after the last step is for a step that never runs: neither logged nor counted (issue 25).
     ]
     assert [r["events"] for r in ranks] == [expected_events] * NODES
     assert [r["oom_retries"] for r in ranks] == [2] * NODES
