@@ -555,6 +555,21 @@ LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+def assert_resumed_continues_the_full_run(front_end: FrontEnd, full: Run, resumed: Run, done: int) -> None:
+    """Asserts that ``resumed``, started from the checkpoint after ``done`` steps, is the rest of ``full``."""
+    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
+    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
+    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
+        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
+    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
+    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
+    for name, value in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
+    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
+        full.front_end.state_dict()
+    )
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("where", ["epoch end", "mid-epoch"])
 @pytest.mark.parametrize(("front_end", "setting"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
@@ -569,17 +584,7 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
 
     done = save.steps
     assert 0 < done < len(full.model.planned)
-    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
-    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
-    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
-    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
-    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
-    for name, value in full.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
-    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
-        full.front_end.state_dict()
-    )
+    assert_resumed_continues_the_full_run(front_end, full, resumed, done)
     if isinstance(full.engine.schedule.schedule, AdaptiveBatchSize):
         assert full.engine.schedule.noise_scale.value().windows == len(full.model.planned)
         assert resumed.engine.schedule.noise_scale.value() == full.engine.schedule.noise_scale.value()
@@ -908,17 +913,7 @@ def test_fabric_a_run_resumed_from_fabric_load_continues_as_the_uninterrupted_on
 
     done = save.steps
     assert 0 < done < len(full.model.micro_batches)
-    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
-    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
-    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
-    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
-    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
-    for name, value in full.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
-    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
-        full.front_end.state_dict()
-    )
+    assert_resumed_continues_the_full_run(front_end, full, resumed, done)
     if isinstance(full.engine.schedule.schedule, AdaptiveBatchSize):
         assert resumed.engine.schedule.noise_scale.value() == full.engine.schedule.noise_scale.value()
 
