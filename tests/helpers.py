@@ -6,7 +6,7 @@ import copy
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -132,6 +132,25 @@ def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
+
+
+class ReadOnlyMapping(Mapping[str, Tensor]):
+    """A mapping whose constructor takes no dict, so a split cannot rebuild it: ``{key: arange(size)}``."""
+
+    key = "x"
+    size = 10
+
+    def __init__(self) -> None:
+        self._data = {self.key: torch.arange(self.size, dtype=torch.float32)}
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class IndexedDataset(Dataset):
