@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -132,6 +133,24 @@ def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
+
+
+@contextlib.contextmanager
+def rank_error_written(out_dir: str, rank: int) -> Iterator[None]:
+    """Writes the error that ends the block to ``error{rank}.txt`` in ``out_dir``, then raises it on.
+
+    For a step in a ``ddp_spawn`` worker: the workers call no ``on_exception`` hook, and the launcher reports only the
+    first worker that failed.
+    """
+    try:
+        yield
+    except BaseException as err:
+        # Written whole or not at all: the launcher may stop this rank (SIGTERM) at any moment once another failed.
+        path = os.path.join(out_dir, f"error{rank}.txt")
+        with open(path + ".part", "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        os.replace(path + ".part", path)
+        raise
 
 
 class ReadOnlyMapping(Mapping[str, Tensor]):
