@@ -570,6 +570,21 @@ def assert_resumed_continues_the_full_run(front_end: FrontEnd, full: Run, resume
     )
 
 
+def assert_the_fit_is_exact(model: Recorder, start: Recorder, done: int) -> None:
+    """Asserts that the steps ``model`` took after its first ``done`` are exact, from the weights ``start`` had."""
+    steps = model.step_indices[done:]
+    expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
+    h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
+
+
+def assert_one_whole_epoch(front_end: FrontEnd, built: Any, model: Recorder, done: int, first_step: int) -> None:
+    """Asserts that the steps after the first ``done`` ran one whole epoch, planned as a fit from ``first_step``."""
+    assert sum(len(indices) for indices in model.step_indices[done:]) == N
+    if front_end.window_mode:
+        assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
+        assert model.micro_batches[done:] == windows_of(model.planned[done:])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("where", ["epoch end", "mid-epoch"])
 @pytest.mark.parametrize(("front_end", "setting"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
@@ -651,14 +666,9 @@ def test_one_front_end_fits_twice_and_leaves_nothing_behind(tmp_path, front_end,
                 trainer.fit(model, front_end.loader())
         assert trainer_as_left(trainer, model) == before
         assert type(trainer) is pl.Trainer and trainer.accumulate_grad_batches == 1
-        steps = model.step_indices[done:]
-        expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
-        h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
+        assert_the_fit_is_exact(model, start, done)
     # The second fit ran a whole epoch as a first one would, from the Trainer's step count.
-    assert sum(len(indices) for indices in steps) == N
-    if front_end.window_mode:
-        assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
-        assert model.micro_batches[done:] == windows_of(model.planned[done:])
+    assert_one_whole_epoch(front_end, built, model, done, first_step)
     # Only complete windows count their samples, and the count goes on from one fit to the next.
     assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
     assert built.engine.consumed_samples == model.consumed[-1]
@@ -926,12 +936,7 @@ def test_fabric_one_front_end_runs_two_loops_in_one_process(tmp_path, front_end)
         start, done, first_step = FabricRecorder(), len(model.micro_batches), built.optimizer_steps
         start.load_state_dict(model.state_dict())  # not a deepcopy: the recorder holds the front end, Fabric's objects
         front_end.run(tmp_path / f"fit{fit}", built, model=model)
-        steps = model.step_indices[done:]
-        expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
-        h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
-        assert sum(len(indices) for indices in steps) == N
-        if front_end.window_mode:
-            assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
-            assert model.micro_batches[done:] == windows_of(model.planned[done:])
+        assert_the_fit_is_exact(model, start, done)
+        assert_one_whole_epoch(front_end, built, model, done, first_step)
     assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
     assert built.engine.consumed_samples == model.consumed[-1] == 2 * N
