@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -133,6 +137,19 @@ def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
+
+
+def run_quick_benchmark(name: str, timeout: float) -> tuple[str, dict[str, Any]]:
+    """Runs ``examples/benchmarks/{name}.py --quick`` in a subprocess: its output, and its ``RESULT`` line's JSON."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    script = root / "examples" / "benchmarks" / f"{name}.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env, cwd=root, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return done.stdout, json.loads(line[len("RESULT ") :])
 
 
 @contextlib.contextmanager
