@@ -358,17 +358,24 @@ def trainer_as_left(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str
     }
 
 
-@pytest.mark.parametrize(
-    ("front_end", "case"),
-    [(fe, case) for fe in FRONT_ENDS for case in fe.bad_settings],
-    ids=[f"{fe}-{case}" for fe in FRONT_ENDS for case in fe.bad_settings],
-)
-def test_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
+def bad_k_cases(front_ends: list[FrontEnd]) -> dict[str, list[Any]]:
+    """``parametrize``'s values and ids for every bad setting of every front end in ``front_ends``."""
+    cases = [(fe, case) for fe in front_ends for case in fe.bad_settings]
+    return {"argvalues": cases, "ids": [f"{fe}-{case}" for fe, case in cases]}
+
+
+def core_refusal(front_end: FrontEnd, case: str) -> tuple[Any, Any, Exception, Any]:
+    """The bad setting, its windows (``None``: refused at construction), the core's own error, and a check for it."""
     setting, windows = front_end.bad_settings[case]
     expected = front_end.core_error(setting, windows)
+    return setting, windows, expected, pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
+
+
+@pytest.mark.parametrize(("front_end", "case"), **bad_k_cases(FRONT_ENDS))
+def test_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
+    setting, windows, expected, refused = core_refusal(front_end, case)
     # The message names the argument (`schedule`, `micro_batch_size`) or the schedule, and shows the value.
     assert re.search(r"`schedule(\[0\])?`|`micro_batch_size`|The schedule Returns", str(expected)), expected
-    refused = pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
     if windows is None:  # known at construction
         with refused:
             front_end.build(setting)
@@ -866,15 +873,9 @@ FABRIC_WINDOW, FABRIC_SPLIT = FabricWindow(), FabricSplit()
 FABRIC = [FABRIC_WINDOW, FABRIC_SPLIT]
 
 
-@pytest.mark.parametrize(
-    ("front_end", "case"),
-    [(fe, case) for fe in FABRIC for case in fe.bad_settings],
-    ids=[f"{fe}-{case}" for fe in FABRIC for case in fe.bad_settings],
-)
+@pytest.mark.parametrize(("front_end", "case"), **bad_k_cases(FABRIC))
 def test_fabric_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
-    setting, windows = front_end.bad_settings[case]
-    expected = front_end.core_error(setting, windows)
-    refused = pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
+    setting, windows, _, refused = core_refusal(front_end, case)
     if windows is None:
         with refused:
             front_end.build(setting)
