@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -132,6 +137,56 @@ def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
+
+
+def run_quick_benchmark(name: str, timeout: float) -> tuple[str, dict[str, Any]]:
+    """Runs ``examples/benchmarks/{name}.py --quick`` in a subprocess: its output, and its ``RESULT`` line's JSON."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    script = root / "examples" / "benchmarks" / f"{name}.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env, cwd=root, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return done.stdout, json.loads(line[len("RESULT ") :])
+
+
+@contextlib.contextmanager
+def rank_error_written(out_dir: str, rank: int) -> Iterator[None]:
+    """Writes the error that ends the block to ``error{rank}.txt`` in ``out_dir``, then raises it on.
+
+    For a step in a ``ddp_spawn`` worker: the workers call no ``on_exception`` hook, and the launcher reports only the
+    first worker that failed.
+    """
+    try:
+        yield
+    except BaseException as err:
+        # Written whole or not at all: the launcher may stop this rank (SIGTERM) at any moment once another failed.
+        path = os.path.join(out_dir, f"error{rank}.txt")
+        with open(path + ".part", "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        os.replace(path + ".part", path)
+        raise
+
+
+class ReadOnlyMapping(Mapping[str, Tensor]):
+    """A mapping whose constructor takes no dict, so a split cannot rebuild it: ``{key: arange(size)}``."""
+
+    key = "x"
+    size = 10
+
+    def __init__(self) -> None:
+        self._data = {self.key: torch.arange(self.size, dtype=torch.float32)}
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class IndexedDataset(Dataset):

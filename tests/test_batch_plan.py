@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import tests.helpers as h
 from lightning_accum.splitting import (
     BatchPlan,
     MicroBatch,
@@ -446,20 +447,10 @@ class Sized:
     batch_size = B
 
 
-class ReadOnly(Mapping):
+class ReadOnly(h.ReadOnlyMapping):
     """A mapping whose constructor takes no dict."""
 
-    def __init__(self) -> None:
-        self._data = {"y": _x(B)}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
+    key, size = "y", B
 
 
 def test_a_mapping_that_cannot_be_rebuilt_is_named_where_it_is():

@@ -358,17 +358,24 @@ def trainer_as_left(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str
     }
 
 
-@pytest.mark.parametrize(
-    ("front_end", "case"),
-    [(fe, case) for fe in FRONT_ENDS for case in fe.bad_settings],
-    ids=[f"{fe}-{case}" for fe in FRONT_ENDS for case in fe.bad_settings],
-)
-def test_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
+def bad_k_cases(front_ends: list[FrontEnd]) -> dict[str, list[Any]]:
+    """``parametrize``'s values and ids for every bad setting of every front end in ``front_ends``."""
+    cases = [(fe, case) for fe in front_ends for case in fe.bad_settings]
+    return {"argvalues": cases, "ids": [f"{fe}-{case}" for fe, case in cases]}
+
+
+def core_refusal(front_end: FrontEnd, case: str) -> tuple[Any, Any, Exception, Any]:
+    """The bad setting, its windows (``None``: refused at construction), the core's own error, and a check for it."""
     setting, windows = front_end.bad_settings[case]
     expected = front_end.core_error(setting, windows)
+    return setting, windows, expected, pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
+
+
+@pytest.mark.parametrize(("front_end", "case"), **bad_k_cases(FRONT_ENDS))
+def test_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
+    setting, windows, expected, refused = core_refusal(front_end, case)
     # The message names the argument (`schedule`, `micro_batch_size`) or the schedule, and shows the value.
     assert re.search(r"`schedule(\[0\])?`|`micro_batch_size`|The schedule Returns", str(expected)), expected
-    refused = pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
     if windows is None:  # known at construction
         with refused:
             front_end.build(setting)
@@ -555,6 +562,36 @@ LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+def assert_resumed_continues_the_full_run(front_end: FrontEnd, full: Run, resumed: Run, done: int) -> None:
+    """Asserts that ``resumed``, started from the checkpoint after ``done`` steps, is the rest of ``full``."""
+    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
+    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
+    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
+        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
+    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
+    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
+    for name, value in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
+    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
+        full.front_end.state_dict()
+    )
+
+
+def assert_the_fit_is_exact(model: Recorder, start: Recorder, done: int) -> None:
+    """Asserts that the steps ``model`` took after its first ``done`` are exact, from the weights ``start`` had."""
+    steps = model.step_indices[done:]
+    expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
+    h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
+
+
+def assert_one_whole_epoch(front_end: FrontEnd, built: Any, model: Recorder, done: int, first_step: int) -> None:
+    """Asserts that the steps after the first ``done`` ran one whole epoch, planned as a fit from ``first_step``."""
+    assert sum(len(indices) for indices in model.step_indices[done:]) == N
+    if front_end.window_mode:
+        assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
+        assert model.micro_batches[done:] == windows_of(model.planned[done:])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("where", ["epoch end", "mid-epoch"])
 @pytest.mark.parametrize(("front_end", "setting"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
@@ -569,17 +606,7 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
 
     done = save.steps
     assert 0 < done < len(full.model.planned)
-    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
-    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
-    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
-    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
-    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
-    for name, value in full.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
-    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
-        full.front_end.state_dict()
-    )
+    assert_resumed_continues_the_full_run(front_end, full, resumed, done)
     if isinstance(full.engine.schedule.schedule, AdaptiveBatchSize):
         assert full.engine.schedule.noise_scale.value().windows == len(full.model.planned)
         assert resumed.engine.schedule.noise_scale.value() == full.engine.schedule.noise_scale.value()
@@ -646,14 +673,9 @@ def test_one_front_end_fits_twice_and_leaves_nothing_behind(tmp_path, front_end,
                 trainer.fit(model, front_end.loader())
         assert trainer_as_left(trainer, model) == before
         assert type(trainer) is pl.Trainer and trainer.accumulate_grad_batches == 1
-        steps = model.step_indices[done:]
-        expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
-        h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
+        assert_the_fit_is_exact(model, start, done)
     # The second fit ran a whole epoch as a first one would, from the Trainer's step count.
-    assert sum(len(indices) for indices in steps) == N
-    if front_end.window_mode:
-        assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
-        assert model.micro_batches[done:] == windows_of(model.planned[done:])
+    assert_one_whole_epoch(front_end, built, model, done, first_step)
     # Only complete windows count their samples, and the count goes on from one fit to the next.
     assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
     assert built.engine.consumed_samples == model.consumed[-1]
@@ -851,15 +873,9 @@ FABRIC_WINDOW, FABRIC_SPLIT = FabricWindow(), FabricSplit()
 FABRIC = [FABRIC_WINDOW, FABRIC_SPLIT]
 
 
-@pytest.mark.parametrize(
-    ("front_end", "case"),
-    [(fe, case) for fe in FABRIC for case in fe.bad_settings],
-    ids=[f"{fe}-{case}" for fe in FABRIC for case in fe.bad_settings],
-)
+@pytest.mark.parametrize(("front_end", "case"), **bad_k_cases(FABRIC))
 def test_fabric_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end, case):
-    setting, windows = front_end.bad_settings[case]
-    expected = front_end.core_error(setting, windows)
-    refused = pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$")
+    setting, windows, _, refused = core_refusal(front_end, case)
     if windows is None:
         with refused:
             front_end.build(setting)
@@ -908,17 +924,7 @@ def test_fabric_a_run_resumed_from_fabric_load_continues_as_the_uninterrupted_on
 
     done = save.steps
     assert 0 < done < len(full.model.micro_batches)
-    changing = full.model.planned if front_end.window_mode else full.model.micro_batches
-    assert len(set(changing[done - 1 :])) > 1, "k must change after the checkpoint for this test to bite"
-    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(resumed.model, record) == getattr(full.model, record)[done:], record
-    assert resumed.changes() == [change for change in full.changes() if change[1] >= done]
-    h.assert_grads_close(resumed.model.step_grads, full.model.step_grads[done:], **h.FP32)
-    for name, value in full.model.state_dict().items():
-        torch.testing.assert_close(resumed.model.state_dict()[name], value, **h.FP32)
-    assert without_measured_memory(resumed.front_end.state_dict()) == without_measured_memory(
-        full.front_end.state_dict()
-    )
+    assert_resumed_continues_the_full_run(front_end, full, resumed, done)
     if isinstance(full.engine.schedule.schedule, AdaptiveBatchSize):
         assert resumed.engine.schedule.noise_scale.value() == full.engine.schedule.noise_scale.value()
 
@@ -931,12 +937,7 @@ def test_fabric_one_front_end_runs_two_loops_in_one_process(tmp_path, front_end)
         start, done, first_step = FabricRecorder(), len(model.micro_batches), built.optimizer_steps
         start.load_state_dict(model.state_dict())  # not a deepcopy: the recorder holds the front end, Fabric's objects
         front_end.run(tmp_path / f"fit{fit}", built, model=model)
-        steps = model.step_indices[done:]
-        expected = h.replay_reference(start, h.TokenDataset(N), steps, h.token_loss, lr=LR, lrs=model.lrs[done:])
-        h.assert_grads_close(model.step_grads[done:], expected, **h.FP32)
-        assert sum(len(indices) for indices in steps) == N
-        if front_end.window_mode:
-            assert model.planned[done:] == planned_in_one_epoch(built.engine.schedule.schedule, first_step)
-            assert model.micro_batches[done:] == windows_of(model.planned[done:])
+        assert_the_fit_is_exact(model, start, done)
+        assert_one_whole_epoch(front_end, built, model, done, first_step)
     assert model.consumed == list(itertools.accumulate(len(indices) for indices in model.step_indices))
     assert built.engine.consumed_samples == model.consumed[-1] == 2 * N

@@ -108,15 +108,9 @@ def _worker(
     dataset = split_dataset(steps, empty)
     sampler = DistributedSampler(dataset, WORLD_SIZE, rank, shuffle=False) if sequential else None
     try:
-        trainer.fit(SplitShardedModel(), DataLoader(dataset, batch_size=STEP_BATCH, sampler=sampler))
-    except BaseException as err:
         # The launcher reports only the first process that failed: each one says how it ended.
-        # Written whole or not at all: the launcher may stop this process at any moment once the other one failed.
-        path = os.path.join(out_dir, f"error{rank}.txt")
-        with open(path + ".part", "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
-        os.replace(path + ".part", path)
-        raise
+        with h.rank_error_written(out_dir, rank):
+            trainer.fit(SplitShardedModel(), DataLoader(dataset, batch_size=STEP_BATCH, sampler=sampler))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

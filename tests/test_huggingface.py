@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may download; set before tran
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -79,11 +79,19 @@ class CausalLM(pl.LightningModule):
 
     def __init__(self, split_mode: bool = False) -> None:
         super().__init__()
-        self.model = gpt2()
+        self.model = self.build()
         self.split_mode = split_mode
         self.step_grads: list[dict[str, Tensor]] = []
         self.step_indices: list[list[int]] = []
         self._window: list[int] = []
+
+    def build(self) -> nn.Module:
+        """The wrapped model (a subclass wraps another, e.g. a PEFT one)."""
+        return gpt2()
+
+    def trained(self) -> dict[str, Tensor]:
+        """The parameters the optimizer steps, by name: the ones whose gradients the model records."""
+        return dict(self.model.named_parameters())
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         if not self.split_mode:
@@ -95,7 +103,7 @@ class CausalLM(pl.LightningModule):
             self._window = batch["index"].tolist()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.step_grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()})
+        self.step_grads.append({n: p.grad.detach().clone() for n, p in self.trained().items()})
         self.step_indices.append(self._window)
         self._window = []
 

@@ -26,7 +26,7 @@ from lightning_accum import AccumulationScheduler, AutoMicroBatching
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.sequences import PaddedSequences
-from tests.test_huggingface import Sequences, collate, gpt2, model_loss
+from tests.test_huggingface import CausalLM, Sequences, collate, gpt2, model_loss
 
 peft = pytest.importorskip("peft", reason="needs PEFT: pip install 'lightning-accum[peft]'")
 
@@ -46,30 +46,14 @@ def trainable(model: nn.Module) -> dict[str, Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-class LoraLM(pl.LightningModule):
+class LoraLM(CausalLM):
     """The PEFT model; records the LoRA gradient and the samples of each optimizer step (window or split mode)."""
 
-    def __init__(self, split_mode: bool) -> None:
-        super().__init__()
-        self.model = lora_gpt2()
-        self.split_mode = split_mode
-        self.step_grads: list[dict[str, Tensor]] = []
-        self.step_indices: list[list[int]] = []
-        self._window: list[int] = []
+    def build(self) -> nn.Module:
+        return lora_gpt2()
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        if not self.split_mode:
-            self._window.extend(batch["index"].tolist())
-        return model_loss(self.model, batch)
-
-    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self.split_mode:
-            self._window = batch["index"].tolist()
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.step_grads.append({n: p.grad.detach().clone() for n, p in trainable(self.model).items()})
-        self.step_indices.append(self._window)
-        self._window = []
+    def trained(self) -> dict[str, Tensor]:
+        return trainable(self.model)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(trainable(self.model).values(), lr=LR)

@@ -26,6 +26,7 @@ from tests.helpers import (
     assert_grads_close,
     count_tokens,
     make_trainer,
+    rank_error_written,
     replay_reference,
     token_loss,
 )
@@ -210,8 +211,7 @@ MICRO = 4  # micro-batch 0 is the first, 3 the last (whose backward DDP syncs in
 class OverlapModel(RaiseOnce):
     """Sequential per-rank shards (rank r sees samples r, r+2, ...), so a test can place an empty micro-batch.
 
-    The error that ends a rank's step is written to ``error{rank}.txt`` in ``out_dir``: ``ddp_spawn`` workers call no
-    ``on_exception`` hook, and the launcher reports only the first worker that failed.
+    The error that ends a rank's step is written to ``error{rank}.txt`` in ``out_dir`` (`rank_error_written`).
     """
 
     def __init__(self, dataset: TokenDataset, out_dir: str, **kwargs: Any) -> None:
@@ -220,15 +220,8 @@ class OverlapModel(RaiseOnce):
         self.out_dir = out_dir
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        try:
+        with rank_error_written(self.out_dir, self.global_rank):
             super().optimizer_step(*args, **kwargs)
-        except BaseException as err:
-            # Written whole or not at all: the launcher may stop this rank (SIGTERM) at any moment once another failed.
-            path = os.path.join(self.out_dir, f"error{self.global_rank}.txt")
-            with open(path + ".part", "w") as f:
-                f.write(f"{type(err).__name__}: {err}")
-            os.replace(path + ".part", path)
-            raise
 
     def training_step(self, batch, batch_idx):
         self.maybe_raise(batch)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_accum.splitting import batch_size_of, num_micro_batches, split_batch
+from tests.helpers import ReadOnlyMapping
 
 B = 10
 
@@ -234,20 +235,6 @@ def test_mismatched_first_dimension_names_the_element(batch: Any, match: str):
 def test_error_says_how_to_fix():
     with pytest.raises(ValueError, match=r"Put the samples on dim 0, or pass a value shared by all samples"):
         split_batch({"x": _x(B), "y": _x(3)}, 4)
-
-
-class ReadOnlyMapping(Mapping):
-    def __init__(self) -> None:
-        self._data = {"x": _x(B)}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
 
 
 def test_mapping_that_cannot_be_rebuilt():

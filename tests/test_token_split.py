@@ -314,27 +314,12 @@ class AnyMaskLM(TinyCausalLM):
         return super().forward(input_ids, attention_mask == 0 if self.additive else attention_mask)
 
 
-def reference(initial, dataset, steps, make_batch, lr=LR):
-    """The exact gradients along the run: each step's samples in one batch made by ``make_batch``, one pass, SGD."""
-    model = copy.deepcopy(initial)
-    grads = []
-    for indices in steps:
-        model.zero_grad(set_to_none=True)
-        model.loss(make_batch([dataset[i] for i in indices])).backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name in grads[-1]:
-                    p -= lr * grads[-1][name]
-    return grads
-
-
 def fit_form(tmp_path, callback, model, make_batch, lengths, step_batch=8):
     dataset = TokenSequences(lengths, seed=5)
     initial = copy.deepcopy(model)
     trainer = h.make_trainer(tmp_path, [callback])
     trainer.fit(model, DataLoader(dataset, batch_size=step_batch, collate_fn=make_batch))
-    return reference(initial, dataset, model.step_indices, make_batch), initial
+    return full_batch_reference(initial, dataset, model.step_indices, lr=LR, collate=make_batch), initial
 
 
 LENGTHS = [9, 3, 7, 2, 5, 8, 4, 6, 2, 9, 3, 5, 7, 4, 6, 8]

@@ -119,14 +119,8 @@ class RecordsErrors(TinyCausalLM):
         self.out_dir = out_dir
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        try:
+        with h.rank_error_written(self.out_dir, self.global_rank):
             super().optimizer_step(*args, **kwargs)
-        except BaseException as err:
-            path = os.path.join(self.out_dir, f"error{self.global_rank}.txt")
-            with open(path + ".part", "w") as f:
-                f.write(f"{type(err).__name__}: {err}")
-            os.replace(path + ".part", path)
-            raise
 
 
 @pytest.mark.parametrize("ranks_scoring_padding", [(0, 1), (1,)])

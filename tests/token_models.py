@@ -11,20 +11,17 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+
+from examples.benchmarks import token_split
 
 VOCAB = 40
 
 
-class TokenSequences(Dataset):
-    """Token sequences of the given lengths (random ids), one dict per sample, for `pad_right` to collate."""
+class TokenSequences(token_split.TokenSequences):
+    """Token sequences of the given lengths (random ids, the benchmark's), one dict per sample, for `pad_right`."""
 
     def __init__(self, lengths: Sequence[int], seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.samples = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.samples)
+        super().__init__(lengths, seed, vocab=VOCAB)
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         return {"input_ids": self.samples[i], "index": torch.tensor(i)}

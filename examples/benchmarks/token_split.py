@@ -83,11 +83,11 @@ def lognormal_lengths(n: int, seed: int = 0, median: float = 40.0, sigma: float 
 
 
 class TokenSequences(Dataset):
-    """Random token ids of the given lengths, one dict per sample."""
+    """Random token ids (1 to ``vocab - 1``; 0 is padding) of the given lengths, one tensor per sample."""
 
-    def __init__(self, lengths: Sequence[int], seed: int = 0) -> None:
+    def __init__(self, lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.samples = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+        self.samples = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -179,17 +179,13 @@ class AccumulationOwner(HoldsEngine, Callback):
 
         ``tokens``: the token budget and the padding fraction (split mode by tokens).
         """
-        totals = closed.totals
-        report = StepReport(
-            mode=mode,
-            micro_batch_size=micro_batch_size,
-            accumulation_steps=closed.micro_batches,  # this step's, not the plan: a tail is short
-            effective_batch_size=totals.samples,
-            items=totals.items,
+        report = window_report(
+            closed,
+            mode,
+            micro_batch_size,
+            loss,
             consumed_samples=self.consumed_samples,
             oom_retries=self.oom_retries,
-            loss_sum=loss.total,
-            loss_items=loss.items,
             events=self._take_events(),
             peak_bytes=peak_bytes,
             budget_bytes=budget_bytes,
@@ -219,6 +215,37 @@ class AccumulationOwner(HoldsEngine, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.load_state_dict(state_dict)
         self.oom_retries = int(state_dict.get("oom_retries", 0))
+
+
+def window_report(
+    closed: ClosedWindow,
+    mode: Mode,
+    micro_batch_size: int,
+    loss: LossSum,
+    *,
+    consumed_samples: int,
+    oom_retries: int,
+    events: tuple[AccumulationEvent, ...],
+    **figures: Any,
+) -> StepReport:
+    """The report of the optimizer step whose window the engine just closed, for either front end (Trainer, Fabric).
+
+    ``figures``: the `StepReport` fields only some steps have (peaks, the budget, the token figures, ...).
+    """
+    totals = closed.totals
+    return StepReport(
+        mode=mode,
+        micro_batch_size=micro_batch_size,
+        accumulation_steps=closed.micro_batches,  # this step's, not the plan: a tail is short
+        effective_batch_size=totals.samples,
+        items=totals.items,
+        consumed_samples=consumed_samples,
+        oom_retries=oom_retries,
+        loss_sum=loss.total,
+        loss_items=loss.items,
+        events=events,
+        **figures,
+    )
 
 
 def ranks_of(trainer: HasRanks) -> Ranks:

@@ -33,7 +33,7 @@ from lightning_accum._util.validation import check_int
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
-from lightning_accum.front_ends._owner import log, log_info, ranks_of
+from lightning_accum.front_ends._owner import log, log_info, ranks_of, window_report
 from lightning_accum.memory.backends import backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector
@@ -89,17 +89,13 @@ class _FabricFrontEnd(HoldsEngine):
 
     def _publish(self, closed: ClosedWindow, micro_batch_size: int, loss: LossSum, **figures: Any) -> None:
         """The step's report; at logging steps, the monitor's keys to ``fabric.log_dict`` (every rank calls it)."""
-        totals = closed.totals
-        report = StepReport(
-            mode=self.mode,
-            micro_batch_size=micro_batch_size,
-            accumulation_steps=closed.micro_batches,
-            effective_batch_size=totals.samples,
-            items=totals.items,
+        report = window_report(
+            closed,
+            self.mode,
+            micro_batch_size,
+            loss,
             consumed_samples=self.consumed_samples,
             oom_retries=self.oom_retries,
-            loss_sum=loss.total,
-            loss_items=loss.items,
             events=tuple(self._pending),
             noise=closed.noise,
             **figures,

@@ -87,13 +87,29 @@ def probe_memory(
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
     ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
-    where = _Where.of(device, target, precision)
-    kept = check_headroom(headroom, where)
-    make_module = module_factory(module, module_init_args)
-    _check_module(where.throwaway(make_module))  # so that a wrong module fails before any measuring
+    where, kept, make_module = _checked_setup(module, module_init_args, device, target, precision, headroom)
     make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
     runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed) for b, k in configs]
     return _fit(_result(batch_size, ks, runs, where, budget_bytes, kept))
+
+
+def _checked_setup(
+    module: ModuleSpec,
+    module_init_args: Mapping[str, Any] | None,
+    device: str | torch.device,
+    target: Target | None,
+    precision: str | int,
+    headroom: float | None,
+) -> tuple[_Where, float, Callable[[], nn.Module]]:
+    """Where the probe runs, the headroom it keeps and the module's factory, checked (for both probes).
+
+    The module is built once and checked here, so that a wrong module fails before any measuring.
+    """
+    where = _Where.of(device, target, precision)
+    kept = check_headroom(headroom, where)
+    make_module = module_factory(module, module_init_args)
+    _check_module(where.throwaway(make_module))
+    return where, kept, make_module
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------

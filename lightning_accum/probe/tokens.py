@@ -35,8 +35,8 @@ from lightning_accum._util.validation import check_int
 from lightning_accum.memory.fake import Target
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure
-from lightning_accum.probe.measure import _check_module, _Where, check_headroom
-from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory, module_factory
+from lightning_accum.probe.measure import _Where
+from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.probe.token_result import TokenMeasurement, TokenProbeResult
 from lightning_accum.sequences import PaddedSequences
@@ -108,10 +108,8 @@ def probe_tokens(
     """
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
-    sequences, where = _check_sequences(sequences), _Where.of(device, target, precision)
-    kept = check_headroom(headroom, where)
-    make_module = module_factory(module, module_init_args)
-    _check_module(where.throwaway(make_module))  # so that a wrong module fails before any measuring
+    sequences = _check_sequences(sequences)
+    where, kept, make_module = measure._checked_setup(module, module_init_args, device, target, precision, headroom)
     make_batch = batch_factory(data, data_init_args, batch_size)
     plan = _plan(sequences, make_batch, batch_size, sequence_lengths, fit_micro_batch_sizes)
     runs = [measure._measure(make_module, make, n, 2, steps, warmup_steps, where, seed) for make, n in plan.each()]

@@ -33,26 +33,26 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
 
 
-@pytest.fixture
-def sharded(gloo_group: dist.ProcessGroup) -> Iterator[tuple[nn.Sequential, nn.Sequential]]:
-    """A plain model and a copy sharded as a Lightning user does: the first layer, then the root."""
+def _reference_and_sharded(root_policy: MixedPrecisionPolicy) -> tuple[nn.Sequential, nn.Sequential]:
+    """A plain model and a copy sharded as a Lightning user does: the first layer, then the root (``root_policy``)."""
     mesh = init_device_mesh("cpu", (1,))
     reference = _model()
     model = copy.deepcopy(reference)
     fully_shard(model[0], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    yield reference, model
+    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    return reference, model
+
+
+@pytest.fixture
+def sharded(gloo_group: dist.ProcessGroup) -> Iterator[tuple[nn.Sequential, nn.Sequential]]:
+    """A plain model and a copy sharded as a Lightning user does: the first layer, then the root."""
+    yield _reference_and_sharded(MixedPrecisionPolicy())  # FSDP2's default policy
 
 
 @pytest.fixture
 def reduce_dtype_sharded(gloo_group: dist.ProcessGroup) -> Iterator[tuple[nn.Sequential, nn.Sequential]]:
     """The same, with a reduce dtype on the root: FSDP2 keeps the root's held-back gradient elsewhere then."""
-    mesh = init_device_mesh("cpu", (1,))
-    reference = _model()
-    model = copy.deepcopy(reference)
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
-    yield reference, model
+    yield _reference_and_sharded(MixedPrecisionPolicy(reduce_dtype=torch.float64))
 
 
 X = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))

@@ -7,28 +7,15 @@ both ranks), and that the deal by cost balances the tokens better than the rando
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import tests.helpers as h
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(900)]
 
 
 def test_the_quick_run_is_exact_and_balances_the_tokens():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    script = ROOT / "examples" / "benchmarks" / "rank_balance.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=880
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT ") :])
+    out, result = h.run_quick_benchmark("rank_balance", timeout=880)
     assert list(result["measured"]) == ["8", "4"]
     for row in result["measured"].values():
         assert row["parity"]["by_cost_vs_random"] < 1e-5 and row["parity"]["by_cost_vs_full_batch"] < 1e-5
@@ -36,4 +23,4 @@ def test_the_quick_run_is_exact_and_balances_the_tokens():
         assert row["by cost"]["token_imbalance"] < row["at random"]["token_imbalance"]
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
-    assert done.stdout.count("| per rank | deal |") == 1 and done.stdout.count("| ranks x per rank |") == 1
+    assert out.count("| per rank | deal |") == 1 and out.count("| ranks x per rank |") == 1

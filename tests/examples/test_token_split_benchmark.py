@@ -7,33 +7,21 @@ padding each variant computes (from the lengths alone), no OOM, and every peak u
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import tests.helpers as h
 from examples.benchmarks import token_split
 from lightning_accum.sequences import PaddedSequences
 
-ROOT = Path(__file__).resolve().parents[2]
 QUICK_STEPS = 2  # --quick: 1 warm-up step and 1 timed step
 
 
 @pytest.fixture(scope="module")
 def quick_run() -> tuple[str, dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    script = ROOT / "examples" / "benchmarks" / "token_split.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return done.stdout, json.loads(result[len("RESULT ") :])
+    return h.run_quick_benchmark("token_split", timeout=600)
 
 
 def step_batches(case: str) -> list[dict[str, torch.Tensor]]:
