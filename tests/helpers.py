@@ -84,8 +84,17 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int
         raise
 
 
-SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-"""Processes that multiprocessing starts once and keeps for the whole session, shared by every test that spawns."""
+SESSION_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    # A local Ray cluster (tests/test_ray_train.py) lives for its module and is shut down by its fixture: its daemons
+    # and workers outlive each test on purpose.
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "/ray/",
+)
+"""Processes started once and kept past one test: multiprocessing's, for the session; a Ray cluster, for its module."""
 
 
 def descendants(pid: int) -> dict[int, str]:
