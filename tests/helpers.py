@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -146,6 +147,28 @@ def stray_processes(before: set[int], grace_s: float = 5.0) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
+
+
+def run_process_group(
+    command: list[str], *, cwd: Any, env: dict[str, str], timeout: float, what: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in a session of its own, stdout and stderr together; kill the whole group at ``timeout`` (the
+    test fails, naming ``what``) and in any case at the end, so that no rank it started outlives the test."""
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} ran past {timeout} s and was killed with its ranks:\n{output[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, proc.returncode, output)
 
 
 def run_quick_benchmark(name: str, timeout: float) -> tuple[str, dict[str, Any]]:

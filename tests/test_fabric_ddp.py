@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import tests.helpers as h
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
@@ -24,18 +24,9 @@ TIMEOUT = 240
 
 def run_ranks(case: str, tmp_path: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FABRIC_CASE": case}
-    proc = subprocess.Popen(
-        [sys.executable, __file__], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{case}: the ranks did not finish in {TIMEOUT} s (a hang):\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    done = h.run_process_group([sys.executable, __file__], cwd=tmp_path, env=env, timeout=TIMEOUT, what=case)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
 
 
 CASES = ["window", "window-adaptive", "split-deferred", "split-overlap", "split-tokens", "split-fsdp2"]

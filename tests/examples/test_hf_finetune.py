@@ -10,7 +10,6 @@ import copy
 import csv
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
+
+import tests.helpers as h
 
 pytest.importorskip("transformers", reason="the `hf` extra (transformers) is not installed")
 
@@ -197,22 +198,7 @@ def run_example(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
         **{var: str(cwd / "wandb_home") for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")},
     }
     command = [sys.executable, "-m", "examples.hf_finetune.main", "fit", f"--config={CONFIG}", *args]
-    proc = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the example ran past {RUN_TIMEOUT_S} s and was killed with its ranks:\n{output[-4000:]}")
-    finally:
-        # Nothing of the run may outlive the test, whatever happened (a rank left waiting in a collective).
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(command, proc.returncode, output)
+    return h.run_process_group(command, cwd=cwd, env=env, timeout=RUN_TIMEOUT_S, what="the example")
 
 
 @pytest.mark.ddp
