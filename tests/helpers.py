@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -195,11 +196,23 @@ def rank_error_written(out_dir: str, rank: int) -> Iterator[None]:
         yield
     except BaseException as err:
         # Written whole or not at all: the launcher may stop this rank (SIGTERM) at any moment once another failed.
-        path = os.path.join(out_dir, f"error{rank}.txt")
-        with open(path + ".part", "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
-        os.replace(path + ".part", path)
+        path = os.path.join(out_dir, f"error{rank}")
+        for suffix, text in ((".where", _raised_in(err)), (".txt", f"{type(err).__name__}: {err}")):
+            with open(path + suffix + ".part", "w") as f:
+                f.write(text)
+            os.replace(path + suffix + ".part", path + suffix)
         raise
+
+
+def _raised_in(err: BaseException) -> str:
+    """The functions the error passed through, outermost first: one per line."""
+    return "\n".join(frame.name for frame in traceback.extract_tb(err.__traceback__))
+
+
+def raised_in(out_dir: str, rank: int) -> list[str]:
+    """The functions the error `rank_error_written` wrote for ``rank`` passed through, outermost first."""
+    with open(os.path.join(out_dir, f"error{rank}.where")) as f:
+        return f.read().splitlines()
 
 
 class ReadOnlyMapping(Mapping[str, Tensor]):
