@@ -5,18 +5,25 @@
 **Measured.** 2 gloo ranks on the CPU, one thread each, train a small causal LM (2 pre-norm transformer blocks) on
 log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank`` sequences is
 dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
-(`lightning_accum.sequences.BalancedBatchSampler.deal`); each rank cuts its share as split mode by tokens does
+(`lightning_accum.sequences.BalancedBatchSampler.deal` with ``micro_batch_tokens=BUDGET``: each rank's share priced as
+its cut costs, with the pass cost fitted on this machine, below); each rank cuts its share as split mode by tokens does
 (`lightning_accum.split.tokens.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
 the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
 global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
 backward) can be timed apart from the wait at the sync. Each repeat runs both deals, in alternating order. Reported:
-the slowest rank's compute time over the mean (median over steps and repeats), samples/s of by cost over at random
-(median over repeats, with the range), the share of a step that is the model's forward and backward, and parity: the
-largest relative difference between the two deals' gradients, and to one full-batch pass.
+the slowest rank's compute time over the mean (median over steps and repeats), the same of the ranks' tokens and of
+their shares' fitted seconds (what the deal by cost balances), samples/s of by cost over at random (median over
+repeats, with the range), the share of a step that is the model's forward and backward, and parity: the largest
+relative difference between the two deals' gradients, and to one full-batch pass.
 
-**Simulated.** A pass's time is fitted on this machine as ``a + b * padded_tokens + c * rows * length ** 2`` (least
-squares over timed passes); a rank's step is the sum over its micro-batches; the slowest rank's step over the mean,
-for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
+**The fit.** First, a pass's CPU time is fitted on this machine as ``a + b * padded_tokens + c * rows * length ** 2``
+(least squares over timed passes) and given to the sampler in its units, tokens: ``pass_cost_tokens = a / b`` and
+``quadratic = b / c`` (`lightning_accum.split.balancing.StepCost.of` prices a micro-batch as ``pass_cost_tokens +
+rows * longest + rows * longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured deal by cost
+and the simulated one use these figures.
+
+**Simulated.** A rank's step is the fit's seconds summed over its micro-batches; the slowest rank's step over the
+mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
 
 Timings on a shared machine are noisy: read the ratios. The last line is ``RESULT`` and the results as JSON.
 """
@@ -112,7 +119,9 @@ def rank_step(model: CausalLM, samples: list[Tensor], global_tokens: int) -> tup
     return computed - start, time.perf_counter() - computed, flat
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _worker(
+    rank: int, port: int, args: argparse.Namespace, out: str, cost: list[float], sampler: dict[str, Any]
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -121,12 +130,12 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         lengths, data = make_data(per_rank, args.steps)
         deals = {
             "at random": _StrideDeal(lengths, 2 * per_rank),
-            "by cost": BalancedBatchSampler(lengths, 2 * per_rank),
+            "by cost": BalancedBatchSampler(lengths, 2 * per_rank, **sampler),
         }
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in deals}
         for repeat in range(args.repeats):
             for name in list(deals)[:: 1 if repeat % 2 else -1]:
-                runs[name].append(_fit(deals[name], data, rank))
+                runs[name].append(_fit(deals[name], data, rank, cost))
         results[str(per_rank)] = runs
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -137,10 +146,10 @@ class _StrideDeal(BalancedBatchSampler):
         return [list(batch[r::num_replicas]) for r in range(num_replicas)]
 
 
-def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int) -> dict[str, Any]:
+def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[float]) -> dict[str, Any]:
     model = CausalLM()
     batches = deal.global_batches(0)
-    compute, sync, tokens, grads = [], [], [], []
+    compute, sync, tokens, modelled, grads = [], [], [], [], []
     dist.barrier()
     start = time.perf_counter()
     for step, batch in enumerate(batches):
@@ -151,12 +160,14 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int) -> dict[str,
             start = time.perf_counter()
             continue
         compute.append(c), sync.append(s), tokens.append(sum(len(data[i]) for i in mine))
+        modelled.append(simulated_step([len(data[i]) for i in mine], cost))  # the fit's seconds for this share
         if len(grads) < 2:
             grads.append(flat)
     return {
         "compute": compute,
         "sync": sync,
         "tokens": tokens,
+        "modelled": modelled,
         "seconds": time.perf_counter() - start,
         "samples": sum(len(b) for b in batches[1:]),
         "grads": grads,
@@ -164,9 +175,9 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int) -> dict[str,
     }
 
 
-def measured(args: argparse.Namespace, out: str) -> dict[str, Any]:
+def measured(args: argparse.Namespace, out: str, cost: list[float], sampler: dict[str, Any]) -> dict[str, Any]:
     port = random.Random(os.getpid()).randint(20000, 40000)
-    mp.start_processes(_worker, args=(port, args, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(port, args, out, cost, sampler), nprocs=2, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     table = {}
     for per_rank in PER_RANK:
@@ -178,15 +189,19 @@ def measured(args: argparse.Namespace, out: str) -> dict[str, Any]:
                 for i in range(len(runs[0]))
                 for a, b in zip(runs[0][i]["compute"], runs[1][i]["compute"], strict=True)
             ]
-            tokens = [
-                max(a, b) / ((a + b) / 2)
-                for i in range(len(runs[0]))
-                for a, b in zip(runs[0][i]["tokens"], runs[1][i]["tokens"], strict=True)
-            ]
+            tokens, modelled = (
+                [
+                    max(a, b) / ((a + b) / 2)
+                    for i in range(len(runs[0]))
+                    for a, b in zip(runs[0][i][figure], runs[1][i][figure], strict=True)
+                ]
+                for figure in ("tokens", "modelled")
+            )
             step = [sum(r["compute"]) + sum(r["sync"]) for r in runs[0]]
             row[name] = {
                 "compute_imbalance": statistics.median(compute),
                 "token_imbalance": statistics.median(tokens),
+                "modelled_imbalance": statistics.median(modelled),
                 "samples_per_s": [
                     r["samples"] / max(r0["seconds"], r1["seconds"])
                     for r, r0, r1 in zip(runs[0], runs[0], runs[1], strict=True)
@@ -239,11 +254,13 @@ def full_batch_grads(batches: list[list[int]], data: list[Tensor]) -> list[Tenso
 def fit_pass_costs(quick: bool) -> list[float]:
     """``[a, b, c]`` of a pass's seconds ``a + b * rows * length + c * rows * length ** 2``, fitted on this machine."""
     model, rows_x, times = CausalLM(), [], []
-    shapes = [(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256) if r * n <= BUDGET][:: 3 if quick else 1]
+    # Every shape a micro-batch can take at `BUDGET`, up to `MAX_LEN`, in quick mode too (it takes about a second):
+    # fewer shapes leave the small quadratic term to the noise (its b / c came to 276 on 5 shapes, 4000 on 15).
+    shapes = [(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256, 512) if r * n <= BUDGET]
     for rows, length in shapes:
         ids = torch.randint(1, VOCAB, (rows, length))
         seconds = []
-        for _ in range(2 if quick else 4):  # the first is a warm-up; the fastest of the rest is the least disturbed
+        for _ in range(3 if quick else 5):  # the first is a warm-up; the fastest of the rest is the least disturbed
             start = time.process_time()  # CPU seconds: on a loaded machine, wall time counts the other processes
             model.token_loss_sum(ids, ids).backward()
             seconds.append(time.process_time() - start)
@@ -251,6 +268,22 @@ def fit_pass_costs(quick: bool) -> list[float]:
         rows_x.append([1.0, rows * length, rows * length**2])
     solution = torch.linalg.lstsq(torch.tensor(rows_x, dtype=torch.float64), torch.tensor(times, dtype=torch.float64))
     return [max(0.0, float(v)) for v in solution.solution]
+
+
+def sampler_costs(cost: Sequence[float]) -> dict[str, Any]:
+    """The fit ``[a, b, c]`` as `BalancedBatchSampler`'s keywords, in its units (tokens).
+
+    ``micro_batch_tokens`` is the cut's `BUDGET`, ``pass_cost_tokens`` is ``a / b``, ``quadratic`` is ``b / c``.
+
+    `StepCost.of` prices a micro-batch as ``pass_cost_tokens + rows * longest + rows * longest ** 2 / quadratic``
+    tokens: the fit's seconds over ``b``. A quadratic term fitted to 0 is ``quadratic=None`` (none).
+    """
+    a, b, c = cost
+    if b <= 0:
+        raise RuntimeError(
+            f"The pass-cost fit gave no cost per token (b={b:g}): the timings were too noisy; run again."
+        )
+    return {"micro_batch_tokens": BUDGET, "pass_cost_tokens": a / b, "quadratic": b / c if c > 0 else None}
 
 
 def simulated_step(lengths: Sequence[int], cost: Sequence[float]) -> float:
@@ -262,7 +295,7 @@ def simulated_step(lengths: Sequence[int], cost: Sequence[float]) -> float:
     return total
 
 
-def simulate(cost: list[float], quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+def simulate(cost: list[float], sampler_kwargs: dict[str, Any], quick: bool) -> dict[str, dict[str, dict[str, float]]]:
     table: dict[str, dict[str, dict[str, float]]] = {}
     for ranks in SIM_RANKS[:2] if quick else SIM_RANKS:
         for per_rank in SIM_PER_RANK[:2] if quick else SIM_PER_RANK:
@@ -271,7 +304,7 @@ def simulate(cost: list[float], quick: bool) -> dict[str, dict[str, dict[str, fl
             for step in range(steps):
                 lengths = lognormal_lengths(ranks * per_rank, seed=1000 + step)
                 batch = list(range(len(lengths)))
-                sampler = BalancedBatchSampler(lengths, len(lengths), num_replicas=ranks, rank=0)
+                sampler = BalancedBatchSampler(lengths, len(lengths), num_replicas=ranks, rank=0, **sampler_kwargs)
                 for name, deal in (
                     ("at random", _StrideDeal.deal(sampler, batch, ranks)),
                     ("by cost", sampler.deal(batch, ranks)),
@@ -294,12 +327,26 @@ def main() -> None:
         args.repeats, args.steps = 2, 1
     import tempfile
 
-    with tempfile.TemporaryDirectory() as out:
-        table = measured(args, out)
+    torch.set_num_threads(1)  # the fit times a pass as the ranks run it, on one thread
+    clock = time.perf_counter()
+    cost = fit_pass_costs(args.quick)
+    sampler = sampler_costs(cost)
+    wall = {"fit": time.perf_counter() - clock}
+    q = sampler["quadratic"]
+    print(f"pass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2 (fitted here)")
     print(
-        "| per rank | deal | slowest rank's compute / mean | its tokens / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
+        f"sampler (by cost): micro_batch_tokens={sampler['micro_batch_tokens']},"
+        f" pass_cost_tokens={sampler['pass_cost_tokens']:.1f} (a / b),"
+        f" quadratic={'None' if q is None else f'{q:.0f}'} (b / c)\n"
     )
-    print("|---:|---|---:|---:|---:|---:|")
+    clock = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        table = measured(args, out, cost, sampler)
+    wall["measured"] = time.perf_counter() - clock
+    print(
+        "| per rank | deal | slowest rank's compute / mean | its tokens / mean | its fitted seconds / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for per_rank, row in table.items():
         for name in ("at random", "by cost"):
             f = row[name]
@@ -309,16 +356,16 @@ def main() -> None:
                 else f"{row['speedup']['median']:.2f}x ({row['speedup']['range'][0]:.2f}-{row['speedup']['range'][1]:.2f})"  # noqa: E501 (a table row)
             )
             print(
-                f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
+                f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {f['modelled_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
             )
         p = row["parity"]
         print(
             f"parity at {per_rank} per rank: by cost vs at random {p['by_cost_vs_random']:.1e}, vs one full-batch pass {p['by_cost_vs_full_batch']:.1e}, replicas {p['replicas']:.1e}; 0 OOMs (none can occur: CPU)"  # noqa: E501 (a table row)
         )
-    cost = fit_pass_costs(args.quick)
-    sim = simulate(cost, args.quick)
-    print(f"\npass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2 (fitted here)")
-    print("| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) |")
+    clock = time.perf_counter()
+    sim = simulate(cost, sampler, args.quick)
+    wall["simulated"] = time.perf_counter() - clock
+    print("\n| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) |")
     print("|---|---:|---:|")
     for key, row in sim.items():
         print(
@@ -333,7 +380,9 @@ def main() -> None:
                     for k, row in table.items()
                 },
                 "pass_cost": cost,
+                "sampler": sampler,
                 "simulated": sim,
+                "wall_s": wall,
             }
         )
     )

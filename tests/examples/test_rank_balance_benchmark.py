@@ -2,25 +2,54 @@
 
 Timings are the benchmark's to report (the machine is shared). What is checked is what holds whatever the timing: the
 tables' structure, exactness (the deal by cost gives the random deal's and the full batch's gradient, identical on
-both ranks), and that the deal by cost balances the tokens better than the random deal.
+both ranks), that the deal by cost balances the ranks' fitted step cost better than the random deal, and that the
+sampler was given the pass cost fitted on this machine, in its own units.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import tests.helpers as h
+from lightning_accum.split import balancing
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(900)]
 
 
-def test_the_quick_run_is_exact_and_balances_the_tokens():
+def fitted_seconds(lengths: list[int], budget: int, cost: list[float]) -> float:
+    # The reference: the fit's own formula, summed over the cut split by tokens makes (longest first, at `budget`).
+    a, b, c = cost
+    ordered = sorted(lengths, reverse=True)
+    return sum(
+        a + b * (stop - start) * ordered[start] + c * (stop - start) * ordered[start] ** 2
+        for start, stop in balancing.cut_groups(ordered, budget)
+    )
+
+
+def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
     out, result = h.run_quick_benchmark("rank_balance", timeout=880)
     assert list(result["measured"]) == ["8", "4"]
     for row in result["measured"].values():
         assert row["parity"]["by_cost_vs_random"] < 1e-5 and row["parity"]["by_cost_vs_full_batch"] < 1e-5
         assert row["parity"]["replicas"] == 0
-        assert row["by cost"]["token_imbalance"] < row["at random"]["token_imbalance"]
+        # The deal by cost balances its shares' cut as priced by the fit (no longer tokens alone).
+        assert row["by cost"]["modelled_imbalance"] < row["at random"]["modelled_imbalance"]
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
     assert out.count("| per rank | deal |") == 1 and out.count("| ranks x per rank |") == 1
+
+    # The sampler deals by the cut at the benchmark's budget, with the pass cost fitted on this machine.
+    sampler, cost = result["sampler"], result["pass_cost"]
+    assert set(sampler) == {"micro_batch_tokens", "pass_cost_tokens", "quadratic"}
+    assert "sampler (by cost): micro_batch_tokens=" in out
+    assert sampler["micro_batch_tokens"] == 1024  # the benchmark's BUDGET, which its own cut uses
+    assert math.isfinite(sampler["pass_cost_tokens"]) and sampler["pass_cost_tokens"] > 0
+    # None only where the fit found no quadratic term (c fitted to 0).
+    assert (sampler["quadratic"] is None) == (cost[2] == 0)
+    assert sampler["quadratic"] is None or (math.isfinite(sampler["quadratic"]) and sampler["quadratic"] > 0)
+    # In the sampler's units: its price of a share, times the fit's seconds per token, is the fit's seconds.
+    step = balancing.StepCost(sampler["micro_batch_tokens"], sampler["pass_cost_tokens"], sampler["quadratic"])
+    for lengths in ([512], [300, 200, 40, 8], [64] * 20, [500, 480, 100, 90, 30, 30, 12, 9]):
+        assert step.of(lengths) * cost[1] == pytest.approx(fitted_seconds(lengths, 1024, cost), rel=1e-9)
