@@ -25,6 +25,11 @@ NOISE_SCALE_SKIPPED = "accum/noise_scale_skipped"  # windows whose estimate was 
 MICRO_BATCH_TOKENS = "accum/micro_batch_tokens"  # the token budget: padded tokens per micro-batch, max over ranks
 PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that held no real token, this step, all ranks
 
+# Split mode on more than one rank (`AutoMicroBatching`, `FabricMicroBatching`): how unequal the ranks' steps were, with
+# any sampler (`BalancedBatchSampler` deals the ranks equal work; with `DistributedSampler` it tells whether it would).
+RANK_IMBALANCE = "accum/rank_imbalance"  # the slowest rank's step cost over the mean rank's: 1.0 when equal
+SYNC_WAIT_SECONDS = "perf/sync_wait_seconds"  # the longest any rank waited for the others at the step's sync
+
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
 )
@@ -46,4 +51,5 @@ PERF_KEYS = (SAMPLES_PER_SEC, ITEMS_PER_SEC, TRAIN_SECONDS)
 EVENT_KEYS = (EVENT_SCHEDULE_CHANGE, EVENT_OOM_RECOVERED, EVENT_SHRINK, EVENT_GROW)
 NOISE_SCALE_KEYS = (GRADIENT_NOISE_SCALE, GRAD_SQ_NORM, GRAD_TRACE_COV, NOISE_SCALE_SKIPPED)
 TOKEN_KEYS = (MICRO_BATCH_TOKENS, PADDING_FRACTION)
+RANK_KEYS = (RANK_IMBALANCE, SYNC_WAIT_SECONDS)
 ALL_KEYS = (*BATCH_KEYS, OOM_RETRIES, WINDOW_LOSS, *MEMORY_KEYS, *PERF_KEYS)

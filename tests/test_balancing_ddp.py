@@ -16,17 +16,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
+from lightning_accum import AccumulationMonitor, keys
 from lightning_accum.callbacks import BalancedSamplerState
+from lightning_accum.cli.report import load_series
 from lightning_accum.memory.oom import OOMFault
 from lightning_accum.sequences import BalancedBatchSampler
+from lightning_accum.split import balancing
+from lightning_accum.split.balancing import PASS_COST_TOKENS
 from tests.test_ddp import load_ranks
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
 from tests.test_fsdp2_tokens import ShardedCausalLM
 from tests.test_fsdp2_tokens import _Save as SaveSharded
-from tests.test_token_split_ddp import SaveTokenRun, pinned_token_callback
+from tests.test_token_split_ddp import BUDGET, SaveTokenRun, pinned_token_callback
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
@@ -43,28 +48,58 @@ class RandomDeal(BalancedBatchSampler):
         return [list(batch[r::num_replicas]) for r in range(num_replicas)]
 
 
+class SaveStepShapes(SaveTokenRun):
+    """Also saves where each optimizer step's micro-batch shapes end in the model's list of them."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.step_ends: list[int] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.step_ends.append(len(pl_module.micro_batch_shapes))
+
+    def record(self, pl_module: TinyCausalLM) -> dict[str, Any]:
+        return {**super().record(pl_module), "step_ends": self.step_ends}
+
+
 def ddp_run(tmp_path: Any, sampler: BalancedBatchSampler, faults: list[OOMFault]) -> list[dict[str, Any]]:
-    """A fit on 2 DDP ranks with Lightning's defaults: it rebuilds ``sampler`` with its own DistributedSampler."""
+    """A fit on 2 DDP ranks with Lightning's defaults: it rebuilds ``sampler`` with its own DistributedSampler.
+
+    The monitor logs every step to a CSV file in ``tmp_path/csv``, which `logged` reads back.
+    """
     tmp_path.mkdir(parents=True)  # the ranks save their runs there
     ddp = h.ddp_strategy()
-    callback = pinned_token_callback(faults)
-    trainer = h.make_trainer(tmp_path, [callback, SaveTokenRun(str(tmp_path))], strategy=ddp, devices=2)
+    callbacks = [pinned_token_callback(faults), AccumulationMonitor(logging_interval=1), SaveStepShapes(str(tmp_path))]
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = h.make_trainer(tmp_path, callbacks, strategy=ddp, devices=2, logger=logger)
     trainer.fit(
         TinyCausalLM(lr=LR), DataLoader(TokenSequences(LENGTHS, seed=3), batch_sampler=sampler, collate_fn=pad_right)
     )
     return load_ranks(tmp_path)
 
 
-def rank_tokens(ranks: list[dict[str, Any]]) -> list[list[int]]:
-    """Each step's tokens on each rank."""
-    return [[sum(LENGTHS[i] for i in step) for step in r["step_indices"]] for r in ranks]
+def logged(tmp_path: Any, key: str) -> list[float]:
+    """``key``'s value at each logged step of `ddp_run`'s CSV file."""
+    return [value for _, value in load_series(tmp_path / "csv" / "version_0" / "metrics.csv")[key]]
+
+
+def step_costs(ranks: list[dict[str, Any]]) -> list[list[float]]:
+    """What each step cost each rank, from the micro-batches it ran (rows x trimmed length): padded tokens, plus a
+    pass's fixed cost for each micro-batch, as `BalancedBatchSampler` prices a share. For runs without an OOM."""
+    costs = []
+    for r in ranks:
+        starts = [0, *r["step_ends"][:-1]]
+        shapes = [r["shapes"][a:b] for a, b in zip(starts, r["step_ends"], strict=True)]
+        costs.append([sum(b * n for b, n in step) + PASS_COST_TOKENS * len(step) for step in shapes])
+    return costs
 
 
 @pytest.mark.timeout(900)  # two 2-rank fits
 def test_dealt_by_cost_under_ddp_the_update_is_the_random_deals_and_the_full_batchs(tmp_path):
     # At step 1, rank 1's first micro-batch runs out of memory: both ranks re-run the step at a smaller budget.
     faults = [OOMFault(step=1, micro_batch=0, phase="forward", rank=1, when_size_above=24)]
-    balanced = ddp_run(tmp_path / "balanced", BalancedBatchSampler(LENGTHS, GLOBAL, seed=1), faults)
+    by_cost = BalancedBatchSampler(LENGTHS, GLOBAL, seed=1, micro_batch_tokens=BUDGET)  # priced by the real cut
+    balanced = ddp_run(tmp_path / "balanced", by_cost, faults)
     dealt_at_random = ddp_run(tmp_path / "random", RandomDeal(LENGTHS, GLOBAL, seed=1), [])
     global_batches = BalancedBatchSampler(LENGTHS, GLOBAL, seed=1).global_batches(0)
     for ranks in (balanced, dealt_at_random):  # the same global batches: the rank count plays no part in them
@@ -80,11 +115,22 @@ def test_dealt_by_cost_under_ddp_the_update_is_the_random_deals_and_the_full_bat
         for name, value in ranks[0]["params"].items():
             torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=0, msg=f"replicas differ: {name}")
 
-    def worst(ranks: list[dict[str, Any]]) -> float:
-        tokens = rank_tokens(ranks)
-        return max(max(step) / (sum(step) / 2) for step in zip(*tokens, strict=True))
-
-    assert worst(balanced) < 1.05 < 1.2 < worst(dealt_at_random)
+    # The monitor logs how unequal the ranks' steps were: the slowest rank's cost over the mean, as the micro-batches
+    # each rank really ran price it, and the longest wait at the step's sync.
+    per_step = list(zip(*step_costs(dealt_at_random), strict=True))
+    expected_imbalance = [max(step) / (sum(step) / 2) for step in per_step]
+    assert logged(tmp_path / "random", keys.RANK_IMBALANCE) == pytest.approx(expected_imbalance, rel=1e-9)
+    assert min(expected_imbalance) > 1.0
+    waits = logged(tmp_path / "random", keys.SYNC_WAIT_SECONDS)
+    assert len(waits) == len(per_step) and all(0 < w < 60 for w in waits)
+    # Dealt by cost, the monitor's figure is the sampler's own price of its deal, at every step the OOM left alone
+    # (at step 1 the budget shrank for the retry: more passes than the sampler priced), and lower on the whole.
+    by_cost = logged(tmp_path / "balanced", keys.RANK_IMBALANCE)
+    price = balancing.StepCost(BUDGET, PASS_COST_TOKENS)
+    shares = zip(balanced[0]["step_indices"], balanced[1]["step_indices"], strict=True)
+    priced = [balancing.imbalance([price.of([LENGTHS[i] for i in share]) for share in step]) for step in shares]
+    assert [by_cost[s] for s in (0, 2, 3)] == pytest.approx([priced[s] for s in (0, 2, 3)], rel=1e-9)
+    assert sum(by_cost) < sum(expected_imbalance)
 
 
 def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:

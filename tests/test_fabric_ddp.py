@@ -155,6 +155,10 @@ def _main(case: str) -> None:
             step_indices = [list(range(starts[r], starts[r] + sizes[r])) for r in range(2)]
             acc.step(batch_of(step_indices[rank]), token_loss)
             check(step_indices[0] + step_indices[1])
+            imbalance, wait = acc.last_step_report.rank_imbalance, acc.last_step_report.sync_wait_seconds
+            if not tokens:
+                assert imbalance == pytest.approx(8 / 6), imbalance  # by samples: 8 against 4, over their mean 6
+            assert imbalance is not None and imbalance >= 1 and wait is not None and 0 <= wait < 60, (imbalance, wait)
             optimizer.step()
             optimizer.zero_grad()
         assert acc.oom_retries == len(faults.faults), (acc.oom_retries, faults.fired)

@@ -438,3 +438,18 @@ def test_the_fit_summary_by_tokens_gives_the_budget_where_it_settled_and_the_mea
     fixed = FitSummary()
     fixed.add(token_report(0, micro_batch_size=9))
     assert "; micro-batch budget 96 tokens (9 samples); padding 25% of" in fixed.text()
+
+
+def test_the_fit_summary_of_a_run_split_on_several_ranks_says_how_unequal_they_were():
+    summary = FitSummary()
+    for step, (imbalance, wait) in enumerate([(1.25, 0.5), (1.05, 0.25), (1.0, 0.0)]):
+        summary.add(
+            StepReport("split", 4, 2, 16, 16.0, 16 * (step + 1), rank_imbalance=imbalance, sync_wait_seconds=wait)
+        )
+    assert "; slowest rank 1.10x the mean rank's step (mean over steps), 0.8 s waited at the sync" in summary.text()
+    figures = summary.as_dict()
+    assert figures["rank_imbalance_mean"] == pytest.approx(3.3 / 3) and figures["sync_wait_seconds"] == 0.75
+
+    one_rank = FitSummary()  # the owner reports no balance on one rank: the summary says nothing of ranks
+    one_rank.add(StepReport("split", 4, 2, 8, 8.0, 8))
+    assert "rank" not in one_rank.text() and "rank_imbalance_mean" not in one_rank.as_dict()

@@ -2,7 +2,7 @@
 
 The panels are `lightning_accum.integrations.wandb.PANEL_LAYOUT`, the same ones the W&B workspace shows, so
 a run looks the same with or without W&B; the report leaves out the optional ones (the token budget and the padding,
-the noise scale, allocator retries) that a run never logged.
+the ranks' balance, the noise scale, allocator retries) that a run never logged.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ _EVENT_LABEL_BY_TOKENS: dict[str, str] = {
 _OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named, not drawn
 _PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of ten above (a diverged loss)
 # Keys that only some runs log: a panel that draws one of them is left out where none of them was logged, and a
-# section with no panel left goes too. The token keys need AutoMicroBatching(sequences=...), the noise scale
-# AccumulationMonitor(gradient_noise_scale=True), and the allocator's retries a CUDA or XPU device; the other panels
-# are drawn even when blank, so a missing figure shows.
-_OPTIONAL_KEYS = frozenset({*keys.TOKEN_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
+# section with no panel left goes too. The token keys need AutoMicroBatching(sequences=...), the ranks' balance
+# split mode on more than one rank, the noise scale AccumulationMonitor(gradient_noise_scale=True), and the
+# allocator's retries a CUDA or XPU device; the other panels are drawn even when blank, so a missing figure shows.
+_OPTIONAL_KEYS = frozenset({*keys.TOKEN_KEYS, *keys.RANK_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 

@@ -23,13 +23,14 @@ def summarize(series: Series) -> str:
     """One paragraph on the run, for people and for logs.
 
     It says: the steps, the effective batch, the micro-batch range and where it settled (split by tokens: the token
-    budget's, and the padding), the OOMs recovered and at which steps, the peak memory against the budget, and the
-    throughput.
+    budget's, and the padding), how unequal the ranks were (split on several ranks), the OOMs recovered and at which
+    steps, the peak memory against the budget, and the throughput.
     """
     parts = (
         _steps_text(series),
         _batch_text(series),
         _tokens_text(series),
+        _balance_text(series),
         _oom_text(series),
         _memory_text(series),
         _speed_text(series),
@@ -108,6 +109,19 @@ def _tokens_text(series: Series) -> str:
     padding = finite_values(series, keys.PADDING_FRACTION)
     if padding:
         text += f"; padding {_median(padding):.1%} of the token positions computed (median of the logged steps)"
+    return text + "."
+
+
+def _balance_text(series: Series) -> str:
+    # Split on several ranks: how far the slowest rank's step was over the mean rank's, and the waits at the sync.
+    imbalance = finite_values(series, keys.RANK_IMBALANCE)
+    if not imbalance:
+        return ""
+    waits = finite_values(series, keys.SYNC_WAIT_SECONDS)
+    text = f"Slowest rank's step {_median(imbalance):.2f}x the mean rank's (median of the logged steps"
+    text += f", worst {max(imbalance):.2f}x)"
+    if waits:
+        text += f"; the longest wait at the sync {_median(waits) * 1000:.0f} ms a step (median)"
     return text + "."
 
 

@@ -92,6 +92,11 @@ class StepReport:
             otherwise.
         padding_fraction: split mode by tokens: the share of the token positions the step's micro-batches computed
             that held no real token, all ranks; ``None`` otherwise.
+        rank_imbalance: split mode on more than one rank: the slowest rank's step cost over the mean rank's (padded
+            tokens and passes by tokens, samples by samples: `lightning_accum.split.step.SplitStepRunner.step_cost`);
+            1.0 when every rank's step cost the same. ``None`` otherwise.
+        sync_wait_seconds: split mode on more than one rank: the longest any rank waited, in the step's agreement, for
+            the others to arrive; ``None`` otherwise.
     """
 
     mode: Mode
@@ -109,6 +114,8 @@ class StepReport:
     noise: tuple[float, float] | None = None
     micro_batch_tokens: int | None = None
     padding_fraction: float | None = None
+    rank_imbalance: float | None = None
+    sync_wait_seconds: float | None = None
 
 
 class LossSum:

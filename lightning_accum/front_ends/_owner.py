@@ -47,6 +47,7 @@ class AccumulationOwner(HoldsEngine, Callback):
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
         self.splits_by_tokens = False  # cuts micro-batches by padded tokens, reporting the budget and the padding
+        self.splits_steps = False  # split mode: on several ranks, it reports how unequal the ranks' steps were
 
     @property
     def _hooks(self) -> BatchHooks:
@@ -174,10 +175,12 @@ class AccumulationOwner(HoldsEngine, Callback):
         peak_bytes: int | None = None,
         budget_bytes: float | None = None,
         tokens: tuple[int, float] | None = None,
+        balance: tuple[float, float] | None = None,
     ) -> None:
         """Publish the report of the optimizer step whose window the engine just closed.
 
-        ``tokens``: the token budget and the padding fraction (split mode by tokens).
+        ``tokens``: the token budget and the padding fraction (split mode by tokens). ``balance``: the ranks' imbalance
+        and the longest sync wait (split mode, more than one rank: `lightning_accum.split.step.RankBalance`).
         """
         report = window_report(
             closed,
@@ -192,6 +195,8 @@ class AccumulationOwner(HoldsEngine, Callback):
             noise=closed.noise,
             micro_batch_tokens=None if tokens is None else tokens[0],
             padding_fraction=None if tokens is None else tokens[1],
+            rank_imbalance=None if balance is None else balance[0],
+            sync_wait_seconds=None if balance is None else balance[1],
         )
         self._publish(report)
 

@@ -85,6 +85,10 @@ class AccumulationMonitor(Callback):
         ``accum/padding_fraction``          fraction     split by tokens, every logging step: the last
                                                          step's positions computed that held no real
                                                          token, all ranks
+        ``accum/rank_imbalance``            ratio        split mode on several ranks, every logging step: the
+                                                         last step's slowest rank's cost over the mean rank's
+        ``perf/sync_wait_seconds``          s            split mode on several ranks, every logging step: the
+                                                         longest any rank waited at the last step's sync
         ``events/*``                        size after   at the logging step that follows the event
                                                          (samples; split by tokens, the token budget);
                                                          after fit, in ``callback_metrics``: the count
@@ -176,7 +180,8 @@ class AccumulationMonitor(Callback):
         self._windows = LightningWindows(trainer.global_step)
         # Here, not at fit start: the owner resolves its memory budget (part of its settings) in its on_train_start,
         # which runs before ours because the owner moves itself to the front of the callbacks.
-        self._setup_wandb(trainer, tokens=tokens)
+        ranks = owner is not None and owner.splits_steps and trainer.world_size > 1  # the ranks' balance is logged
+        self._setup_wandb(trainer, tokens=tokens, ranks=ranks)
         last = owner.last_step_report if owner is not None else None
         self._metrics.start(
             wanted, has_owner=has_owner, noise_in_use=noise_in_use, last_report=last, first_step=trainer.global_step
@@ -224,13 +229,13 @@ class AccumulationMonitor(Callback):
         loggers = trainer.loggers if trainer.is_global_zero else []
         return [logger.experiment for logger in loggers if isinstance(logger, WandbLogger)]
 
-    def _setup_wandb(self, trainer: pl.Trainer, *, tokens: bool) -> None:
+    def _setup_wandb(self, trainer: pl.Trainer, *, tokens: bool, ranks: bool) -> None:
         runs = self._wandb_runs(trainer)
         owner = self._owner.settings() if runs and self._owner is not None else None
         world_size, k, logging_every = trainer.world_size, trainer.accumulate_grad_batches, self._logging_every(trainer)
         settings = run_config(owner, accumulate_grad_batches=k, world_size=world_size, logging_every=logging_every)
         for run in runs:
-            define_metrics(run, self.key_prefix, tokens=tokens)
+            define_metrics(run, self.key_prefix, tokens=tokens, ranks=ranks)
             record_config(run, settings)
 
     # Validation inside fit is not training throughput.

@@ -48,7 +48,7 @@ from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
 from lightning_accum.split.planner_settings import PlannerSettings
 from lightning_accum.split.planner_units import Tokens
-from lightning_accum.split.step import SplitStepRunner
+from lightning_accum.split.step import AgreedFigures, RankBalance, SplitStepRunner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
@@ -185,6 +185,7 @@ class AutoMicroBatching(AccumulationOwner):
             sequences, micro_batch_size, micro_batch_tokens, split_batch, min_micro_batch_size
         )
         self.splits_by_tokens = self.sequences is not None
+        self.splits_steps = True
         # The settings validate the sizes and thresholds; the budget is set once the device is known.
         settings = PlannerSettings(
             micro_batch_tokens if sequences is not None else micro_batch_size,
@@ -325,7 +326,7 @@ class AutoMicroBatching(AccumulationOwner):
         # The deferred sync summed the buffers over ranks; DDP's own sync averaged them. By tokens, the padded and
         # real tokens are summed over ranks in the same all-reduce as the window's counts.
         averaged_over = 1 if runner.policy.sums_gradients else None
-        self._closed = self._close_window(trainer, optimizer, averaged_over, runner.token_sums())
+        self._closed = self._close_window(trainer, optimizer, averaged_over, runner.summed_figures())
 
     @override
     def on_train_batch_end(
@@ -334,17 +335,15 @@ class AutoMicroBatching(AccumulationOwner):
         backend, runner = self._backend, self._runner
         assert backend is not None and runner is not None
         figures = runner.agreed_figures(backend.alloc_retries() - self._retries_at_start)
-        peak, size = figures.peak, figures.size
-        planned = self.planner.on_step(size, peak, trainer.global_step, figures.alloc_retries)
-        self._size_shrunk = planned < size
-        unreachable = self.planner.unreachable_warning()  # shrinking cannot meet the budget: said once
-        if unreachable is not None:
-            rank_zero_warn(unreachable)
+        planned = self.planner.on_step(figures.size, figures.peak, trainer.global_step, figures.alloc_retries)
+        self._size_shrunk = planned < figures.size
+        if (unreachable := self.planner.unreachable_warning()) is not None:  # shrinking cannot meet the budget
+            rank_zero_warn(unreachable)  # said once
         if self._closed is not None:
             closed, self._closed = self._closed, None
-            tokens = _token_figures(size, closed) if self.sequences is not None else None
-            samples = figures.largest_samples if self.sequences is not None else size
-            self._publish_step("split", samples, closed, runner.window_loss, peak, self.planner.budget_bytes, tokens)
+            samples, tokens, ranks = _step_figures(figures, closed, self.sequences is not None, trainer.world_size)
+            budget = self.planner.budget_bytes
+            self._publish_step("split", samples, closed, runner.window_loss, figures.peak, budget, tokens, ranks)
         # A shrink or grow decided now applies from the next step on: it is logged and reported when that step
         # starts, where the logged micro-batch size changes, and never for a step that does not run (after the last
         # one). An OOM's events belong to the step that recovered, reported above.
@@ -410,10 +409,19 @@ def check_sequences(
     return sequences
 
 
-def _token_figures(budget: int, closed: ClosedWindow) -> tuple[int, float]:
-    """The token budget and the share of the step's padded token positions that held no real token, all ranks."""
-    padded, real = closed.totals.extra
-    return budget, (1.0 - real / padded) if padded > 0 else 0.0
+def _step_figures(
+    figures: AgreedFigures, closed: ClosedWindow, by_tokens: bool, world_size: int
+) -> tuple[int, tuple[int, float] | None, RankBalance | None]:
+    """A step's samples per micro-batch, its token figures and the ranks' balance, from what the ranks agreed.
+
+    By tokens, the token figures are the budget and the share of the step's padded token positions that held no real
+    token, all ranks, and the micro-batch's samples are the largest micro-batch's.
+    """
+    cost, padded, real = (*closed.totals.extra, 0, 0)[:3]  # `SplitStepRunner.summed_figures`: the cost, then tokens
+    balance = RankBalance.of(figures, cost, world_size)
+    if not by_tokens:
+        return figures.size, None, balance
+    return figures.largest_samples, (figures.size, (1.0 - real / padded) if padded > 0 else 0.0), balance
 
 
 # Split by tokens, micro-batches hold very different numbers of tokens: weighting each micro-batch's token mean by its

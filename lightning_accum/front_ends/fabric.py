@@ -37,7 +37,7 @@ from lightning_accum.front_ends._owner import log, log_info, ranks_of, window_re
 from lightning_accum.memory.backends import backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector
-from lightning_accum.monitor.rows import event_metrics, step_metrics, to_gib
+from lightning_accum.monitor.rows import event_metrics, rank_metrics, step_metrics, to_gib
 from lightning_accum.monitor.summary import FitSummary
 from lightning_accum.probe.preflight import preflight
 from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
@@ -45,7 +45,7 @@ from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.planner_settings import PlannerSettings
 from lightning_accum.split.planner_units import Tokens
-from lightning_accum.split.step import SplitStepRunner
+from lightning_accum.split.step import RankBalance, SplitStepRunner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import FSDP2, DDPDeferred, DDPOverlap, GradientSync, SyncPolicy
 
@@ -121,7 +121,7 @@ class _FabricFrontEnd(HoldsEngine):
         capacity = self._backend.capacity_bytes()
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
-        metrics = {**step_metrics(report), **event_metrics(report.events)}
+        metrics = {**step_metrics(report), **rank_metrics(report), **event_metrics(report.events)}
         metrics[keys.WINDOW_LOSS] = float(loss[0] / loss[1]) if loss[1] > 0 else float("nan")
         metrics[keys.PEAK_GIB] = to_gib(int(peak[0]))
         metrics[keys.CAPACITY_GIB] = to_gib(capacity)
@@ -327,20 +327,23 @@ class FabricMicroBatching(_FabricFrontEnd):
             backward=self.fabric.backward, zero_grad=self.optimizer.zero_grad, make_result=lambda loss, _: loss,
         )  # fmt: skip
         loss: Tensor = self.runner(context)
-        tokens = () if self.runner.tokens is None else (self.runner.tokens.padded, self.runner.tokens.real)
         closed = self.engine.close_window(
-            step, self._parameters(), self.ranks, 1 if self.policy.sums_gradients else None, extra=tokens
-        )
+            step, self._parameters(), self.ranks, 1 if self.policy.sums_gradients else None,
+            extra=self.runner.summed_figures(),
+        )  # fmt: skip
         figures = self.runner.agreed_figures(backend.alloc_retries() - retries)
         self.planner.on_step(figures.size, figures.peak, step, figures.alloc_retries)
         self._take_planner_events()
         by_tokens = self.sequences is not None
-        padded, real = closed.totals.extra if by_tokens else (0, 0)
+        padded, real = closed.totals.extra[1:] if by_tokens else (0, 0)  # after the step cost
+        balance = RankBalance.of(figures, closed.totals.extra[0], self.fabric.world_size)
         self._publish(
             closed, figures.largest_samples if by_tokens else figures.size, self.runner.window_loss,
             peak_bytes=figures.peak, budget_bytes=self.planner.budget_bytes,
             micro_batch_tokens=figures.size if by_tokens else None,
             padding_fraction=(1 - real / padded if padded else 0.0) if by_tokens else None,
+            rank_imbalance=None if balance is None else balance.imbalance,
+            sync_wait_seconds=None if balance is None else balance.sync_wait_seconds,
         )  # fmt: skip
         return loss
 

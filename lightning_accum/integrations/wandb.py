@@ -60,8 +60,9 @@ CONFIG_KEY = "lightning_accum"
 MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
 """Keys whose run summary is their maximum (a memory peak matters at its worst, not at the last step)."""
 
-MEAN_SUMMARY_KEYS = (keys.PADDING_FRACTION,)
-"""Keys whose run summary is their mean over the logged steps: the padding's cost is spread over the run."""
+MEAN_SUMMARY_KEYS = (keys.PADDING_FRACTION, keys.RANK_IMBALANCE, keys.SYNC_WAIT_SECONDS)
+"""Keys whose run summary is their mean over the logged steps: the padding's and the ranks' waits' cost is spread
+over the run."""
 
 NO_SUMMARY_KEYS = keys.EVENT_KEYS
 """Keys without a run summary: an event's value is the size after it, so its last value would read as a count
@@ -163,6 +164,14 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
     SectionSpec(
+        # Only split mode on more than one rank: how unequal the ranks' steps were (1.0: equal), and what it cost.
+        "Ranks",
+        (
+            PanelSpec("Rank imbalance", (keys.RANK_IMBALANCE,), "slowest rank's step cost / mean", (1.0, None)),
+            PanelSpec("Sync wait", (keys.SYNC_WAIT_SECONDS,), "s (longest over ranks)", _FROM_ZERO),
+        ),
+    ),
+    SectionSpec(
         # Only with AccumulationMonitor(gradient_noise_scale=True): the batch the gradient says is worth it.
         "Noise scale",
         (
@@ -237,18 +246,20 @@ def layout_keys(layout: Sequence[SectionSpec] = PANEL_LAYOUT) -> tuple[str, ...]
 # ------------------------------------------------------------------------------------------------------------------
 # a live run: metric definitions and config
 # ------------------------------------------------------------------------------------------------------------------
-def define_metrics(run: Any, prefix: str = "", *, tokens: bool = False) -> None:
+def define_metrics(run: Any, prefix: str = "", *, tokens: bool = False, ranks: bool = False) -> None:
     """Define every contract key on ``run`` against `STEP_METRIC`: max summaries for memory peaks, none for events.
 
     Safe to call more than once, and next to ``WandbLogger``'s own ``define_metric("*", ...)``: explicit names
     take precedence over the glob. ``prefix`` is the monitor's ``key_prefix``, put in front of every key.
     An event key's summary is set at the end of ``fit`` to the number of events (`record_event_counts`). The token
     keys (`keys.TOKEN_KEYS`, the padding summarized by its mean) are defined only for a run split by ``tokens``, so
-    that a run split by samples holds what it always held.
+    that a run split by samples holds what it always held; the ranks' balance (`keys.RANK_KEYS`, by their means) only
+    for a run split on several ``ranks``.
     """
     run.define_metric(STEP_METRIC)
     token_keys = keys.TOKEN_KEYS if tokens else ()
-    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *token_keys):
+    rank_keys = keys.RANK_KEYS if ranks else ()
+    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *token_keys, *rank_keys):
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
         if key in MAX_SUMMARY_KEYS:
             kwargs["summary"] = "max"

@@ -20,7 +20,14 @@ from lightning_accum.core.noise_scale import NoiseScale, NoiseScaleEstimator
 from lightning_accum.core.step_report import LossSum, StepReport
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.memory.budget import budget_fraction
-from lightning_accum.monitor.rows import LOGGED_KEYS, StepFigures, event_metrics, step_metrics, token_metrics
+from lightning_accum.monitor.rows import (
+    LOGGED_KEYS,
+    StepFigures,
+    event_metrics,
+    rank_metrics,
+    step_metrics,
+    token_metrics,
+)
 from lightning_accum.monitor.summary import FitSummary
 from lightning_accum.monitor.totals import IntervalTotals, LightningWindows, MemoryReading, RankMemory, TrainingClock
 from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, window_loss
@@ -137,7 +144,8 @@ def logging_metrics(
         interval_items=items,
         interval_seconds=seconds,
     )
-    return {**figures.as_metrics(), **token_metrics(last)}  # split by tokens: the last step's budget and padding
+    # Split by tokens, the last step's budget and padding; split on several ranks, how unequal they were.
+    return {**figures.as_metrics(), **token_metrics(last), **rank_metrics(last)}
 
 
 class EveryStepMetrics:

@@ -142,7 +142,7 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
 STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
 """The figures of one step's own `lightning_accum.core.step_report.StepReport`."""
 
-LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS))
+LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS, *keys.RANK_KEYS))
 """Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
 
 
@@ -203,3 +203,19 @@ def token_metrics(report: StepReport) -> dict[str, float]:
     if report.padding_fraction is not None:
         metrics[keys.PADDING_FRACTION] = float(report.padding_fraction)
     return metrics
+
+
+def rank_metrics(report: StepReport) -> dict[str, float]:
+    """How unequal the ranks' steps were (split mode, more than one rank); nothing otherwise.
+
+    Agreed over ranks in the owner's own step: reading them costs no collective. Logging steps log the last step's.
+
+    Examples:
+        >>> rank_metrics(StepReport("split", 6, 3, 16, 180.0, 16, rank_imbalance=1.25, sync_wait_seconds=0.5))
+        {'accum/rank_imbalance': 1.25, 'perf/sync_wait_seconds': 0.5}
+        >>> rank_metrics(StepReport("split", 4, 2, 8, 8.0, 8))
+        {}
+    """
+    if report.rank_imbalance is None or report.sync_wait_seconds is None:
+        return {}
+    return {keys.RANK_IMBALANCE: float(report.rank_imbalance), keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds)}

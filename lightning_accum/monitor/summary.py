@@ -29,7 +29,9 @@ class FitSummary:
         32 samples/s.
 
     Split by tokens, the micro-batch is its token budget (the samples it holds follow the sequences' lengths), and the
-    padding is the mean over steps of each step's share of positions computed that held no real token.
+    padding is the mean over steps of each step's share of positions computed that held no real token. Split on more
+    than one rank, the ranks' imbalance is the mean over steps of the slowest rank's step cost over the mean rank's,
+    and the sync wait the longest any rank waited at each step's sync, summed over steps.
     """
 
     def __init__(self, first_step: int = 0) -> None:
@@ -41,6 +43,8 @@ class FitSummary:
         self.token_range: tuple[int, int] | None = None  # split by tokens: the budget's
         self.token_settled: tuple[int, int] | None = None  # (budget, since step)
         self.padding: list[float] = []  # split by tokens: each step's padding fraction
+        self.imbalance: list[float] = []  # split on several ranks: each step's slowest rank over the mean rank
+        self.sync_wait_seconds = 0.0  # ... the longest any rank waited at each step's sync, summed over steps
         self.oom_steps: list[int] = []
         self.samples = 0
         self._step_samples: list[int] = []  # each step's effective batch size
@@ -87,6 +91,9 @@ class FitSummary:
             )
             if report.padding_fraction is not None:
                 self.padding.append(report.padding_fraction)
+        if report.rank_imbalance is not None:
+            self.imbalance.append(report.rank_imbalance)
+            self.sync_wait_seconds += report.sync_wait_seconds or 0.0
         self.effective_batch_sizes.add(report.effective_batch_size)
         self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
         for event in report.events:
@@ -115,6 +122,9 @@ class FitSummary:
             figures["micro_batch_size_settled"] = self.settled[0]
         if self.padding:
             figures["padding_fraction_mean"] = sum(self.padding) / len(self.padding)
+        if self.imbalance:
+            figures["rank_imbalance_mean"] = sum(self.imbalance) / len(self.imbalance)
+            figures["sync_wait_seconds"] = self.sync_wait_seconds
         if self.seconds > 0:
             figures["samples_per_sec"] = self.samples / self.seconds
         if self.peak_fraction is not None:
@@ -137,6 +147,12 @@ class FitSummary:
             plural = "s" if len(self.oom_steps) > 1 else ""
             steps = ", ".join(str(s) for s in self.oom_steps)
             parts.append(f"{len(self.oom_steps)} OOM{plural} recovered (step{plural} {steps})")
+        if self.imbalance:
+            mean = sum(self.imbalance) / len(self.imbalance)
+            parts.append(
+                f"slowest rank {mean:.2f}x the mean rank's step (mean over steps), {self.sync_wait_seconds:.1f} s"
+                " waited at the sync"
+            )
         if self.peak_fraction is not None:
             parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}")
         if self.seconds > 0:

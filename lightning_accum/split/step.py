@@ -20,6 +20,7 @@ a fault in the synced backward no retry is possible (the others are in the colle
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NamedTuple, Protocol
@@ -34,6 +35,7 @@ from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.sequences import PaddedSequences
+from lightning_accum.split.balancing import PASS_COST_TOKENS
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
@@ -81,6 +83,29 @@ class AgreedFigures(NamedTuple):
     step_size: int  # the step batch in the planner's unit
     longest: int  # the longest sequence (by tokens; 0 by samples)
     largest_samples: int  # samples in the largest micro-batch
+    cost: int  # the step's cost on the slowest rank (`SplitStepRunner.step_cost`)
+    wait_us: int  # the longest any rank waited in the step's agreement, in microseconds
+
+
+class RankBalance(NamedTuple):
+    """How unequal the ranks' steps were: the monitor's ``accum/rank_imbalance`` and ``perf/sync_wait_seconds``."""
+
+    imbalance: float  # the slowest rank's step cost over the mean rank's: 1.0 when every rank's step costs the same
+    sync_wait_seconds: float  # the longest any rank waited in the step's agreement for the others to arrive
+
+    @classmethod
+    def of(cls, figures: AgreedFigures, cost_sum: float, world_size: int) -> RankBalance | None:
+        """From the step's agreed figures and its cost summed over ranks; ``None`` on one rank (nothing to compare).
+
+        Examples:
+            >>> figures = AgreedFigures(0, 0, 4, 16, 0, 4, cost=120, wait_us=2500)
+            >>> RankBalance.of(figures, cost_sum=200, world_size=2)
+            RankBalance(imbalance=1.2, sync_wait_seconds=0.0025)
+        """
+        if world_size <= 1:
+            return None
+        mean = cost_sum / world_size
+        return cls(figures.cost / mean if mean > 0 else 1.0, figures.wait_us / 1e6)
 
 
 class _AgreementFailed(RuntimeError):
@@ -137,6 +162,8 @@ class SplitStepRunner:
         self.window_loss = LossSum()  # this rank's loss over the step's items
         self.gradient_allreduces = 0  # collectives the policy issued after the steps, for tests and benchmarks
         self._agreed: Agreement | None = None  # this attempt's agreement before the synced backward, once made
+        self.passes = 0  # micro-batches the current attempt cut
+        self.wait_seconds = 0.0  # this rank's time in the last agreement: waiting for the slowest rank to arrive
 
     def __call__(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step; returns what Lightning's automatic optimization expects."""
@@ -155,6 +182,21 @@ class SplitStepRunner:
             self.logs.replay(batch_size=self.step_batch_size)
         return context.make_result(loss, extra)
 
+    def step_cost(self) -> int:
+        """What this rank's step cost, the figure the ranks' balance compares (`RankBalance`).
+
+        By tokens, the padded tokens its micro-batches computed plus a pass's fixed cost for each
+        (`lightning_accum.split.balancing.PASS_COST_TOKENS`), as `lightning_accum.sequences.BalancedBatchSampler` prices
+        a rank's share; by samples, its samples (a sample costs the same on every rank when nothing is trimmed).
+        """
+        if self.tokens is None:
+            return self.step_batch_size
+        return round(self.tokens.padded + PASS_COST_TOKENS * self.passes)
+
+    def summed_figures(self) -> tuple[int, ...]:
+        """This rank's figures to sum over ranks with the window's counts: its step cost, then `token_sums`."""
+        return (self.step_cost(), *self.token_sums())
+
     def token_sums(self) -> tuple[int, ...]:
         """The step's padded and real tokens (by tokens) to sum over ranks with the window's counts; else none."""
         return () if self.tokens is None else (self.tokens.padded, self.tokens.real)
@@ -166,6 +208,7 @@ class SplitStepRunner:
         """
         longest = self.cut.longest if self.cut is not None else 0
         local = [self.backend.peak_bytes(), alloc_retries, self.size, self.step_size, longest, self.largest_samples]
+        local += [self.step_cost(), round(self.wait_seconds * 1e6)]
         # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
         try:
             agreed = max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64))
@@ -196,8 +239,11 @@ class SplitStepRunner:
         by_rank = [int(fault) if r == rank else 0 for r in range(world)]
         local = [int(fault), self.size, self.step_size, longest, *by_rank, *flags]
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
+        _finish_device_work(tensor)  # so that the wait timed below is for the others, not for this rank's own kernels
+        start = time.perf_counter()
         try:
             values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
+            self.wait_seconds = time.perf_counter() - start
         except Exception as err:
             raise _AgreementFailed(
                 f"The ranks' agreement on this step's attempt (step {trainer.global_step}, micro-batch size"
@@ -272,6 +318,7 @@ class SplitStepRunner:
         else:
             micro_batches = engine.hooks.split(context.batch, self.size)
         counts = [engine.items(micro.batch, micro.size) for micro in micro_batches]
+        self.passes = len(micro_batches)
         if self.cut is not None and engine.count_items is not None:
             # Before any backward: a trim that cut scored positions (labels on padding) stops the step, on every rank
             # through the agreement.
@@ -346,6 +393,12 @@ class SplitStepRunner:
             self.cut = self.sequences.cut(context.batch, self.engine.hooks)
         self.step_size = self.cut.tokens
         self.planner.unit.set_longest(self.cut.longest)
+
+
+def _finish_device_work(tensor: Tensor) -> None:
+    """Wait for the device's queued work, once per attempt: the agreement's host read would wait for it anyway."""
+    if tensor.device.type != "cpu":
+        getattr(torch, tensor.device.type).synchronize()  # torch.cuda, torch.xpu, torch.mps
 
 
 def agreement_max(trainer: StepHost, tensor: Tensor) -> Tensor:

@@ -44,7 +44,14 @@ def test_dashboard_output_writes_the_spec_without_network(tmp_path, no_network, 
         logged = set(next(csv.reader(f))) - {"step", "epoch"}
     drawn = spec_metric_keys(spec)
     assert logged <= drawn
-    optional = {keys.PEAK_RESERVED_GIB, keys.ALLOC_RETRIES, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.TOKEN_KEYS}
+    optional = {
+        keys.PEAK_RESERVED_GIB,
+        keys.ALLOC_RETRIES,
+        *keys.EVENT_KEYS,
+        *keys.NOISE_SCALE_KEYS,
+        *keys.TOKEN_KEYS,
+        *keys.RANK_KEYS,
+    }
     assert drawn - logged <= optional
 
 
@@ -158,7 +165,16 @@ def test_the_users_own_metrics_get_panels(tmp_path, no_network, capsys):
     assert main(argv) == 0
     spec = json.loads(output.read_text())
     sections = {section.name: section.panels for section in _workspace(spec).sections}
-    assert list(sections) == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput", USER_SECTION]
+    assert list(sections) == [
+        "Batch",
+        "Tokens",
+        "Ranks",
+        "Noise scale",
+        "Memory",
+        "Recovery",
+        "Throughput",
+        USER_SECTION,
+    ]
     assert [panel.metric_regex for panel in sections[USER_SECTION][:2]] == ["^train/.*", "^val/.*"]
     assert [metric.name for metric in sections[USER_SECTION][2].y] == ["train_loss_step"]
 
@@ -177,7 +193,7 @@ def test_no_user_prefixes_means_no_user_section(tmp_path, no_network):
     output = tmp_path / "spec.json"
     assert main(["dashboard", "--entity", "t", "--project", "p", "--user-prefixes", "-o", str(output)]) == 0
     names = [section.name for section in _workspace(json.loads(output.read_text())).sections]
-    assert names == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput"]
+    assert names == ["Batch", "Tokens", "Ranks", "Noise scale", "Memory", "Recovery", "Throughput"]
 
 
 def test_the_capacity_is_a_number_and_the_budget_shares_the_peaks_panel(tmp_path, no_network):

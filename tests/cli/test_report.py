@@ -517,3 +517,15 @@ def test_a_token_runs_events_are_labelled_as_the_token_budgets(split_run):
     figure = build_figure(tokens)
     legend_texts = [t.get_text() for sub in figure.subfigs for legend in sub.legends for t in legend.get_texts()]
     assert "token budget shrunk" in legend_texts and "micro-batch shrunk" not in legend_texts
+
+
+def test_the_summary_of_a_run_split_on_several_ranks_gives_their_imbalance_and_the_wait():
+    series: Series = {
+        keys.EFFECTIVE_BATCH_SIZE: [(0.0, 16.0), (1.0, 16.0), (2.0, 16.0)],
+        keys.RANK_IMBALANCE: [(0.0, 1.5), (1.0, 1.1), (2.0, 1.2)],
+        keys.SYNC_WAIT_SECONDS: [(0.0, 0.25), (1.0, 0.02), (2.0, 0.04)],
+    }
+    text = summarize(series)
+    assert "Slowest rank's step 1.20x the mean rank's (median of the logged steps, worst 1.50x);" in text
+    assert "the longest wait at the sync 40 ms a step (median)." in text
+    assert "Slowest rank" not in summarize({keys.EFFECTIVE_BATCH_SIZE: [(0.0, 16.0)]})

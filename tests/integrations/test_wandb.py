@@ -35,7 +35,14 @@ from lightning_accum.monitor.rows import BUDGET_FRACTION
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
 
-CONTRACT_KEYS = {*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.TOKEN_KEYS}
+CONTRACT_KEYS = {
+    *keys.ALL_KEYS,
+    BUDGET_FRACTION,
+    *keys.EVENT_KEYS,
+    *keys.NOISE_SCALE_KEYS,
+    *keys.TOKEN_KEYS,
+    *keys.RANK_KEYS,
+}
 
 
 def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
@@ -47,7 +54,7 @@ def logged_run(tmp_path: Path) -> tuple[OfflineRun, list[dict], dict]:
     rows.append({STEP_METRIC: 3, keys.WINDOW_LOSS: math.nan, "blob": "x" * 100_000, "flag": True, "none": None})
     settings = {"mode": "window", "k": 4, "schedule": {"0": 2, "10": 4}, "fn": len}
     run = wandb.init(project="accum", dir=str(tmp_path))
-    define_metrics(run, tokens=True)
+    define_metrics(run, tokens=True, ranks=True)
     record_config(run, settings)
     for row in rows:
         run.log(row)
@@ -188,7 +195,15 @@ def test_dashboard_spec_is_built_offline_and_names_exactly_the_contract_keys(no_
     assert spec["entity"] == "my-team" and spec["project"] == "my-project"
     assert spec_metric_keys(spec) == CONTRACT_KEYS == set(layout_keys())
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
-    assert [s["name"] for s in sections] == ["Batch", "Tokens", "Noise scale", "Memory", "Recovery", "Throughput"]
+    assert [s["name"] for s in sections] == [
+        "Batch",
+        "Tokens",
+        "Ranks",
+        "Noise scale",
+        "Memory",
+        "Recovery",
+        "Throughput",
+    ]
     panels = [p for s in sections for p in s["panels"]]
     assert {p["config"]["xAxis"] for p in panels if "xAxis" in p["config"]} == {STEP_METRIC}
     assert spec["spec"]["section"]["settings"]["xAxis"] == STEP_METRIC
