@@ -333,6 +333,22 @@ def concat(batches: Sequence[Any]) -> Any:
     raise TypeError(type(first))
 
 
+def assert_same(actual: Any, expected: Any) -> None:
+    """``actual`` holds ``expected``'s values to the bit: the same tensors, keys in the same order, entries in turn."""
+    if isinstance(expected, Tensor):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    elif isinstance(expected, Mapping):
+        assert list(actual) == list(expected)
+        for key in expected:
+            assert_same(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert_same(a, e)
+    else:
+        assert actual == expected
+
+
 def grad_ratio(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> float:
     """How many times the exact gradient ``actual`` is (least squares over all entries)."""
     a = torch.cat([actual[n].flatten() for n in expected])

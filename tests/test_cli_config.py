@@ -390,79 +390,51 @@ CONSTANT = (*SCHEDULER, "--trainer.callbacks.schedule=lightning_accum.ConstantSc
 STEPWISE = (*SCHEDULER, "--trainer.callbacks.schedule=lightning_accum.StepwiseSchedule")
 SPLIT = (f"--config={CONFIGS / 'split_auto.yaml'}",)
 RAMP = (f"--config={CONFIGS / 'window_ramp.yaml'}",)
+
+
+def _bad(base: tuple[str, ...], setting: str, shown: str) -> tuple[tuple[str, ...], str, str]:
+    """A case: ``base``, then ``--trainer.callbacks.SETTING``; the error names the setting's last key."""
+    argument = setting.partition("=")[0].rsplit(".", 1)[-1]
+    return (*base, f"--trainer.callbacks.{setting}"), argument, shown
+
+
 BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "micro_batch_size": ((*SPLIT, "--trainer.callbacks.micro_batch_size=0"), "micro_batch_size", 'or "auto", got 0'),
-    "max_memory size": ((*SPLIT, "--trainer.callbacks.max_memory=8 gigs"), "max_memory", "got '8 gigs'"),
-    "max_memory fraction": ((*SPLIT, "--trainer.callbacks.max_memory=1.5"), "max_memory", "(0, 1], got 1.5"),
-    "min_micro_batch_size": (
-        (*SPLIT, "--trainer.callbacks.min_micro_batch_size=0"),
-        "min_micro_batch_size",
-        ">= 1, got 0",
-    ),
-    "count_items": (
-        (*SPLIT, "--trainer.callbacks.count_items=no_such_module:count"),
-        "count_items",
-        "'no_such_module'",
-    ),
-    "low_watermark": ((*SPLIT, "--trainer.callbacks.low_watermark=1.5"), "low_watermark", "(0, 1), got 1.5"),
-    "grow_patience": ((*SPLIT, "--trainer.callbacks.grow_patience=-3"), "grow_patience", ">= 1, got -3"),
-    "grow_patience type": ((*SPLIT, "--trainer.callbacks.grow_patience=often"), "grow_patience", "got 'often'"),
-    "oom_cooldown": ((*SPLIT, "--trainer.callbacks.oom_cooldown=-1"), "oom_cooldown", ">= 0, got -1"),
-    "split_batch": ((*SPLIT, "--trainer.callbacks.split_batch=tests.helpers:no_such"), "split_batch", "'no_such'"),
-    "batch_size_of": ((*SPLIT, "--trainer.callbacks.batch_size_of=os.sep"), "batch_size_of", "not callable"),
-    "loss_reduction": ((*SPLIT, "--trainer.callbacks.loss_reduction=median"), "loss_reduction", "median"),
-    "gradient_sync": ((*SPLIT, "--trainer.callbacks.gradient_sync=fast"), "gradient_sync", "fast"),
-    "preflight": ((*SPLIT, "--trainer.callbacks.preflight=sometimes"), "preflight", "sometimes"),
-    "schedule int": ((*SCHEDULER, "--trainer.callbacks.schedule=0"), "schedule", ">= 1, got 0"),
-    "schedule key order": ((*SCHEDULER, "--trainer.callbacks.schedule={2: 4, 0: 1}"), "schedule", "got [2, 0]"),
-    "schedule k": ((*SCHEDULER, "--trainer.callbacks.schedule={0: 0}"), "schedule", "`schedule[0]` must be"),
-    "unit": ((*SCHEDULER, "--trainer.callbacks.unit=epochs"), "unit", "epochs"),
-    "scheduler count_items": (
-        (*SCHEDULER, "--trainer.callbacks.count_items=lightning_accum.items.NoCounter"),
-        "count_items",
-        "no attribute 'NoCounter'",
-    ),
-    "ConstantSchedule": (
-        (*CONSTANT, "--trainer.callbacks.schedule.accumulation_steps=0"),
-        "accumulation_steps",
-        ">= 1, got 0",
-    ),
-    "StepwiseSchedule": (
-        (*STEPWISE, "--trainer.callbacks.schedule.milestones={0: 1, -2: 4}"),
-        "milestones",
-        "got key -2",
-    ),
-    "BatchSizeRamp start": ((*RAMP, "--trainer.callbacks.schedule.start=0"), "start", ">= 1, got 0"),
-    "BatchSizeRamp ramp_samples": ((*RAMP, "--trainer.callbacks.schedule.ramp_samples=-1"), "ramp_samples", "got -1"),
-    "BatchSizeRamp rounding": ((*RAMP, "--trainer.callbacks.schedule.rounding=up"), "rounding", "up"),
-    "min_accumulation_steps": (
-        (*ADAPTIVE, "--trainer.callbacks.schedule.min_accumulation_steps=1"),
-        "min_accumulation_steps",
-        ">= 2, got 1",
-    ),
-    "max_accumulation_steps": (
-        (*ADAPTIVE, "--trainer.callbacks.schedule.max_accumulation_steps=0"),
-        "max_accumulation_steps",
-        ">= 1, got 0",
-    ),
-    "factor": ((*ADAPTIVE, "--trainer.callbacks.schedule.factor=0"), "factor", "> 0, got 0"),
-    "warmup_windows": ((*ADAPTIVE, "--trainer.callbacks.schedule.warmup_windows=-1"), "warmup_windows", ">= 0, got -1"),
-    "hysteresis": ((*ADAPTIVE, "--trainer.callbacks.schedule.hysteresis=-0.5"), "hysteresis", ">= 0, got -0.5"),
-    "max_growth": ((*ADAPTIVE, "--trainer.callbacks.schedule.max_growth=1"), "max_growth", "> 1, got 1"),
-    "beta": ((*ADAPTIVE, "--trainer.callbacks.schedule.beta=1.0"), "beta", "[0, 1), got 1.0"),
-    "lr_scaling": ((*ADAPTIVE, "--trainer.callbacks.schedule.lr_scaling=cubic"), "lr_scaling", "cubic"),
-    "logging_interval": ((*MONITOR, "--trainer.callbacks.logging_interval=0"), "logging_interval", ">= 1, got 0"),
-    "noise_scale_beta": ((*MONITOR, "--trainer.callbacks.noise_scale_beta=1.0"), "noise_scale_beta", "got 1.0"),
-    "noise_scale_interval": (
-        (*MONITOR, "--trainer.callbacks.noise_scale_interval=0"),
-        "noise_scale_interval",
-        ">= 1, got 0",
-    ),
-    "CountTokens ignore_index": (
-        (*RAMP, "--trainer.callbacks.count_items.ignore_index=none_of_them"),
-        "ignore_index",
-        "none_of_them",
-    ),
+    "micro_batch_size": _bad(SPLIT, "micro_batch_size=0", 'or "auto", got 0'),
+    "max_memory size": _bad(SPLIT, "max_memory=8 gigs", "got '8 gigs'"),
+    "max_memory fraction": _bad(SPLIT, "max_memory=1.5", "(0, 1], got 1.5"),
+    "min_micro_batch_size": _bad(SPLIT, "min_micro_batch_size=0", ">= 1, got 0"),
+    "count_items": _bad(SPLIT, "count_items=no_such_module:count", "'no_such_module'"),
+    "low_watermark": _bad(SPLIT, "low_watermark=1.5", "(0, 1), got 1.5"),
+    "grow_patience": _bad(SPLIT, "grow_patience=-3", ">= 1, got -3"),
+    "grow_patience type": _bad(SPLIT, "grow_patience=often", "got 'often'"),
+    "oom_cooldown": _bad(SPLIT, "oom_cooldown=-1", ">= 0, got -1"),
+    "split_batch": _bad(SPLIT, "split_batch=tests.helpers:no_such", "'no_such'"),
+    "batch_size_of": _bad(SPLIT, "batch_size_of=os.sep", "not callable"),
+    "loss_reduction": _bad(SPLIT, "loss_reduction=median", "median"),
+    "gradient_sync": _bad(SPLIT, "gradient_sync=fast", "fast"),
+    "preflight": _bad(SPLIT, "preflight=sometimes", "sometimes"),
+    "schedule int": _bad(SCHEDULER, "schedule=0", ">= 1, got 0"),
+    "schedule key order": _bad(SCHEDULER, "schedule={2: 4, 0: 1}", "got [2, 0]"),
+    "schedule k": _bad(SCHEDULER, "schedule={0: 0}", "`schedule[0]` must be"),
+    "unit": _bad(SCHEDULER, "unit=epochs", "epochs"),
+    "scheduler count_items": _bad(SCHEDULER, "count_items=lightning_accum.items.NoCounter", "no attribute 'NoCounter'"),
+    "ConstantSchedule": _bad(CONSTANT, "schedule.accumulation_steps=0", ">= 1, got 0"),
+    "StepwiseSchedule": _bad(STEPWISE, "schedule.milestones={0: 1, -2: 4}", "got key -2"),
+    "BatchSizeRamp start": _bad(RAMP, "schedule.start=0", ">= 1, got 0"),
+    "BatchSizeRamp ramp_samples": _bad(RAMP, "schedule.ramp_samples=-1", "got -1"),
+    "BatchSizeRamp rounding": _bad(RAMP, "schedule.rounding=up", "up"),
+    "min_accumulation_steps": _bad(ADAPTIVE, "schedule.min_accumulation_steps=1", ">= 2, got 1"),
+    "max_accumulation_steps": _bad(ADAPTIVE, "schedule.max_accumulation_steps=0", ">= 1, got 0"),
+    "factor": _bad(ADAPTIVE, "schedule.factor=0", "> 0, got 0"),
+    "warmup_windows": _bad(ADAPTIVE, "schedule.warmup_windows=-1", ">= 0, got -1"),
+    "hysteresis": _bad(ADAPTIVE, "schedule.hysteresis=-0.5", ">= 0, got -0.5"),
+    "max_growth": _bad(ADAPTIVE, "schedule.max_growth=1", "> 1, got 1"),
+    "beta": _bad(ADAPTIVE, "schedule.beta=1.0", "[0, 1), got 1.0"),
+    "lr_scaling": _bad(ADAPTIVE, "schedule.lr_scaling=cubic", "cubic"),
+    "logging_interval": _bad(MONITOR, "logging_interval=0", ">= 1, got 0"),
+    "noise_scale_beta": _bad(MONITOR, "noise_scale_beta=1.0", "got 1.0"),
+    "noise_scale_interval": _bad(MONITOR, "noise_scale_interval=0", ">= 1, got 0"),
+    "CountTokens ignore_index": _bad(RAMP, "count_items.ignore_index=none_of_them", "none_of_them"),
 }
 
 

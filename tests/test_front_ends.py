@@ -464,20 +464,6 @@ def test_a_schedule_sets_k_window_by_window_and_every_window_is_exact(schedule_r
     h.assert_grads_close(run.model.step_grads, expected, **h.FP32)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_both_window_mode_front_ends_follow_a_schedule_alike(schedule_runs, schedule):
-    scheduler, manual = (schedule_runs(fe, schedule) for fe in WINDOW_MODE)
-    for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(manual.model, record) == getattr(scheduler.model, record), record
-    assert manual.changes() == scheduler.changes()
-    h.assert_grads_close(manual.model.step_grads, scheduler.model.step_grads, **h.FP32)
-    if isinstance(scheduler.engine.schedule.schedule, AdaptiveBatchSize):
-        torch.testing.assert_close(
-            dataclasses.astuple(manual.engine.schedule.noise_scale.value()),
-            dataclasses.astuple(scheduler.engine.schedule.noise_scale.value()),
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. the state through a real checkpoint
 # ---------------------------------------------------------------------------------------------------------------------
@@ -888,15 +874,17 @@ def test_fabric_a_bad_k_is_refused_with_the_cores_own_error(tmp_path, front_end,
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_fabric_window_mode_follows_a_schedule_as_the_trainer_does(schedule_runs, schedule):
-    scheduler, fabric = (schedule_runs(fe, schedule) for fe in (SCHEDULER, FABRIC_WINDOW))
+@pytest.mark.parametrize("front_end", [MANUAL, FABRIC_WINDOW], ids=str)
+def test_the_other_window_mode_front_ends_follow_a_schedule_as_the_scheduler_does(schedule_runs, front_end, schedule):
+    # ManualAccumulation in a Trainer and FabricAccumulation in a Fabric loop, each against AccumulationScheduler.
+    scheduler, other = schedule_runs(SCHEDULER, schedule), schedule_runs(front_end, schedule)
     for record in ("planned", "micro_batches", "consumed", "lrs", "step_indices"):
-        assert getattr(fabric.model, record) == getattr(scheduler.model, record), record
-    assert fabric.changes() == scheduler.changes()
-    h.assert_grads_close(fabric.model.step_grads, scheduler.model.step_grads, **h.FP32)
+        assert getattr(other.model, record) == getattr(scheduler.model, record), record
+    assert other.changes() == scheduler.changes()
+    h.assert_grads_close(other.model.step_grads, scheduler.model.step_grads, **h.FP32)
     if isinstance(scheduler.engine.schedule.schedule, AdaptiveBatchSize):
         torch.testing.assert_close(
-            dataclasses.astuple(fabric.engine.schedule.noise_scale.value()),
+            dataclasses.astuple(other.engine.schedule.noise_scale.value()),
             dataclasses.astuple(scheduler.engine.schedule.noise_scale.value()),
         )
 

@@ -86,6 +86,7 @@ def test_numbers_are_stored_as_floats_as_the_planner_stored_them():
         ),
         ({"min_micro_batch_size": 0}, ValueError, r"`min_micro_batch_size` must be an int >= 1, got 0"),
         ({"low_watermark": 1.0}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got 1.0"),
+        ({"low_watermark": 0}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got 0\."),
         ({"low_watermark": math.nan}, ValueError, r"`low_watermark` must be a fraction of the budget in \(0, 1\)"),
         ({"low_watermark": "0.7"}, TypeError, r"`low_watermark` must be a fraction of the budget in \(0, 1\), got '0"),
         ({"refit_tolerance": 0.0}, ValueError, r"`refit_tolerance` must be a finite number > 0, got 0.0"),

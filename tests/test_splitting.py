@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_accum.splitting import batch_size_of, num_micro_batches, split_batch
-from tests.helpers import ReadOnlyMapping
+from tests.helpers import ReadOnlyMapping, assert_same
 
 B = 10
 
@@ -61,21 +61,6 @@ def _concat(micro_batches: list[Any]) -> Any:
             return [_concat([c[i] for c in micro_batches]) for i in range(len(first))]
         return [v for c in micro_batches for v in c]  # one entry per sample
     return first
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    elif isinstance(a, Mapping):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for u, v in zip(a, b, strict=True):
-            _assert_same(u, v)
-    else:
-        assert a == b
 
 
 # ---- num_micro_batches ----------------------------------------------------------------------------------------------
@@ -143,7 +128,7 @@ def test_round_trip(name: str, micro: int):
     assert len(micro_batches) == num_micro_batches(B, micro)
     for micro_batch in micro_batches:
         assert type(micro_batch) is type(batch)
-    _assert_same(_concat(micro_batches), batch)
+    assert_same(_concat(micro_batches), batch)
 
 
 def test_namedtuple_keeps_its_type_and_fields():
@@ -159,7 +144,7 @@ def test_userdict_subclass_keeps_its_type_and_attributes():
     assert [c.tensor_type for c in micro_batches] == ["pt"] * 3
     assert [c["input_ids"].shape[0] for c in micro_batches] == [4, 4, 2]
     assert batch["input_ids"].shape[0] == B, "the input must not be modified"
-    _assert_same(_concat(micro_batches), dict(batch))
+    assert_same(_concat(micro_batches), dict(batch))
 
 
 def test_defaultdict_keeps_its_default_factory():

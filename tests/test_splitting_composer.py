@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from lightning_accum.splitting import batch_size_of, split_batch
+from tests.helpers import assert_same
 
 
 def _tensor(b: int) -> torch.Tensor:
@@ -109,21 +110,6 @@ def _reassemble(batch: Any, chunks: list[Any]) -> Any:
     return [entry for c in chunks for entry in c]
 
 
-def _assert_same(actual: Any, expected: Any) -> None:
-    if isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-    elif isinstance(expected, Mapping):
-        assert list(actual) == list(expected)
-        for key in expected:
-            _assert_same(actual[key], expected[key])
-    elif isinstance(expected, list):
-        assert len(actual) == len(expected)
-        for a, e in zip(actual, expected, strict=True):
-            _assert_same(a, e)
-    else:
-        assert actual == expected
-
-
 # Composer: test_split_without_error (6 cases). Composer's test only checks that nothing raises; here the micro-batches
 # must also be of the batch's own structure and give back the batch, every sample once and in order.
 @pytest.mark.parametrize("name", list(BATCHES))
@@ -131,7 +117,7 @@ def test_split_without_error(name: str):
     batch = BATCHES[name](12)
     chunks = split_batch(batch, _micro(12))
     assert [type(c) for c in chunks] == [type(batch)] * 3
-    _assert_same(_reassemble(batch, chunks), batch)
+    assert_same(_reassemble(batch, chunks), batch)
 
 
 # Composer: test_split_tuple (1 case)

@@ -8,18 +8,17 @@ from typing import Any
 from lightning_accum.cli._common import CommandError, check_output_file
 from lightning_accum.integrations.wandb import USER_PREFIXES
 
+HELP = "create the lightning_accum W&B workspace (or write its spec with --output)"
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``dashboard`` subcommand to an ``argparse`` subparsers object."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "dashboard",
-        help="create the lightning_accum W&B workspace (or write its spec with --output)",
-        description=(
-            "Build the W&B workspace with the Batch, Memory, Recovery and Throughput sections for the metrics"
-            " AccumulationMonitor logs, and a 'Your metrics' section for your own (train/*, val/*). With --output,"
-            " write its JSON spec and touch no network; without it, save it to ENTITY/PROJECT on W&B (needs a login)."
-        ),
-    )
+DESCRIPTION = (
+    "Build the W&B workspace with the Batch, Memory, Recovery and Throughput sections for the metrics"
+    " AccumulationMonitor logs, and a 'Your metrics' section for your own (train/*, val/*). With --output,"
+    " write its JSON spec and touch no network; without it, save it to ENTITY/PROJECT on W&B (needs a login)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``dashboard`` subcommand's arguments to its parser (`lightning_accum.cli.main` builds it); return it."""
     parser.add_argument("--entity", required=True, help="the W&B entity (user or team) that owns the project")
     parser.add_argument("--project", required=True, help="the W&B project")
     parser.add_argument("--name", default="lightning_accum", help="the workspace name (default: %(default)s)")

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from lightning_accum.cli._common import CommandError
 
-# name -> module that defines `add_parser(subparsers)` and `run(args) -> int`
+# name -> module that defines `HELP`, `DESCRIPTION`, `add_arguments(parser)` and `run(args) -> int`
 _SUBCOMMANDS: dict[str, str] = {
     "probe": "lightning_accum.cli.probe",
     "report": "lightning_accum.cli.report",
@@ -42,14 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"lightning-accum {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in _SUBCOMMANDS.values():
+    for name, module_name in _SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             if err.name != module_name:  # a missing dependency of an existing subcommand: say so
                 raise
             continue  # not built yet
-        module.add_parser(subparsers)
+        module.add_arguments(subparsers.add_parser(name, help=module.HELP, description=module.DESCRIPTION))
     return parser
 
 

@@ -72,17 +72,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``probe`` subcommand to an ``argparse`` subparsers object."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "probe",
-        help="measure peak memory with and without gradient accumulation on your model",
-        description=(
-            "Run a few real training steps for the full batch B, for k micro-batches of B/k, and for B/k without "
-            "accumulation; report the peak live tensor memory split into parameters, gradients, optimizer state and "
-            "activations, fit peak(b), and say which micro-batch fits a budget."
-        ),
-    )
+HELP = "measure peak memory with and without gradient accumulation on your model"
+
+DESCRIPTION = (
+    "Run a few real training steps for the full batch B, for k micro-batches of B/k, and for B/k without "
+    "accumulation; report the peak live tensor memory split into parameters, gradients, optimizer state and "
+    "activations, fit peak(b), and say which micro-batch fits a budget."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``probe`` subcommand's arguments to its parser (`lightning_accum.cli.main` builds it); return it."""
     source = parser.add_argument_group("model and data (an import path with init args, or a LightningCLI config)")
     source.add_argument("--model", help="LightningModule import path, 'pkg.mod:Class'")
     source.add_argument("--init-args", type=_json_object, default={}, help="JSON kwargs for --model")

@@ -65,16 +65,16 @@ UNFINISHED_RUN_WAIT_S = 2.0
 that has just finished (see `read_offline_run`)."""
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``report`` subcommand to an ``argparse`` subparsers object."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "report",
-        help="plot a run's accumulation, memory, recovery and throughput metrics to a PNG",
-        description=(
-            "Draw the panels of the lightning_accum W&B dashboard (batch, memory, recovery, throughput) from a run"
-            " logged by AccumulationMonitor, without W&B's servers."
-        ),
-    )
+HELP = "plot a run's accumulation, memory, recovery and throughput metrics to a PNG"
+
+DESCRIPTION = (
+    "Draw the panels of the lightning_accum W&B dashboard (batch, memory, recovery, throughput) from a run"
+    " logged by AccumulationMonitor, without W&B's servers."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``report`` subcommand's arguments to its parser (`lightning_accum.cli.main` builds it); return it."""
     parser.add_argument(
         "run",
         metavar="RUN",

@@ -382,7 +382,7 @@ class AccumulationMetrics:
         """
         self.has_owner, self.noise_in_use, self._last_report = has_owner, noise_in_use, last_report
         self.every_step = EveryStepMetrics(every_step, self.key_prefix)  # the Trainer has just emptied them
-        self.interval.reset()
+        self.interval = IntervalTotals()
         self.loss.reset()
         if self.memory is not None:
             self.memory.backend.reset_peak()
@@ -459,7 +459,7 @@ class AccumulationMetrics:
 
     def new_interval(self) -> None:
         """Start the next logging interval (after the loggers had the last one's metrics)."""
-        self.interval.reset()
+        self.interval = IntervalTotals()
         self.clock.new_interval()
 
     def finish(self, ranks: Ranks) -> FitSummary:

@@ -21,8 +21,11 @@ from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.monitor.rows import to_gib
 
 
+@dataclass
 class IntervalTotals:
     """What the steps of one logging interval add up to, from their `lightning_accum.core.step_report.StepReport`.
+
+    A new interval starts from a new `IntervalTotals`.
 
     Examples:
         >>> totals = IntervalTotals()
@@ -32,18 +35,13 @@ class IntervalTotals:
         (16, 2, 3.0)
     """
 
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new interval."""
-        self.samples = 0
-        self.items = 0.0
-        self.steps = 0
-        self.loss = LossSum()
-        self.events: list[AccumulationEvent] = []
-        self.peak_bytes = 0  # the largest peak an owner measured in the interval (split mode), all ranks
-        self.last: StepReport | None = None
+    samples: int = 0
+    items: float = 0.0
+    steps: int = 0
+    loss: LossSum = dataclasses.field(default_factory=LossSum)
+    events: list[AccumulationEvent] = dataclasses.field(default_factory=list)
+    peak_bytes: int = 0  # the largest peak an owner measured in the interval (split mode), all ranks
+    last: StepReport | None = None
 
     def add(self, report: StepReport) -> None:
         """Count one optimizer step."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_accum._util.validation import check_int
 from lightning_accum.memory.backends import CPUBackend
@@ -30,6 +31,7 @@ from lightning_accum.memory.host import trim_cpu_heap
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
+from lightning_accum.probe.options import ProbeOptions, RunOptions
 from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory, module_factory
 from lightning_accum.probe.result import ProbeMeasurement, ProbeResult
 
@@ -43,15 +45,7 @@ def probe_memory(
     fit_micro_batch_sizes: Sequence[int] | None = None,
     grid: Sequence[tuple[int, int]] = (),
     steps: int = 2,
-    warmup_steps: int = 1,
-    device: str | torch.device = "cpu",
-    budget_bytes: float | None = None,
-    module_init_args: Mapping[str, Any] | None = None,
-    data_init_args: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    target: Target | None = None,
-    precision: str | int = "32-true",
-    headroom: float | None = None,
+    **options: Unpack[ProbeOptions],
 ) -> ProbeResult:
     """Measure peak memory of training steps over a grid of ``(b, k)`` and answer the memory question.
 
@@ -68,7 +62,9 @@ def probe_memory(
         fit_micro_batch_sizes: micro-batch sizes measured with ``k = 2`` for the fit (default ``B/2 .. B/16``).
         grid: extra ``(b, k)`` configurations.
         steps: measured optimizer steps per configuration.
-        warmup_steps: unmeasured steps before them.
+
+    Keyword Args:
+        warmup_steps: unmeasured steps before them (default 1).
         device: where to run; ``"meta"`` traces on fake tensors and predicts for ``target``, allocating nothing.
         budget_bytes: a memory budget; the result says which micro-batch fits it.
         module_init_args: keyword arguments for an import-path or factory ``module``.
@@ -84,30 +80,24 @@ def probe_memory(
         RuntimeError: the module uses manual optimization, or the device is not available.
         ImportError: an import path names no module or attribute.
     """
+    run = RunOptions.of("probe_memory", options)
     batch_size = check_int(batch_size, "batch_size", 1)
-    steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
+    steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
     ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
-    where, kept, make_module = _checked_setup(module, module_init_args, device, target, precision, headroom)
-    make_batch = batch_factory(data, data_init_args, max(batch_size, *(b for b, _ in configs)))
-    runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, seed) for b, k in configs]
-    return _fit(_result(batch_size, ks, runs, where, budget_bytes, kept))
+    where, kept, make_module = _checked_setup(module, run)
+    make_batch = batch_factory(data, run.data_init_args, max(batch_size, *(b for b, _ in configs)))
+    runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, run.seed) for b, k in configs]
+    return _fit(_result(batch_size, ks, runs, where, run.budget_bytes, kept))
 
 
-def _checked_setup(
-    module: ModuleSpec,
-    module_init_args: Mapping[str, Any] | None,
-    device: str | torch.device,
-    target: Target | None,
-    precision: str | int,
-    headroom: float | None,
-) -> tuple[_Where, float, Callable[[], nn.Module]]:
+def _checked_setup(module: ModuleSpec, run: RunOptions) -> tuple[_Where, float, Callable[[], nn.Module]]:
     """Where the probe runs, the headroom it keeps and the module's factory, checked (for both probes).
 
     The module is built once and checked here, so that a wrong module fails before any measuring.
     """
-    where = _Where.of(device, target, precision)
-    kept = check_headroom(headroom, where)
-    make_module = module_factory(module, module_init_args)
+    where = _Where.of(run.device, run.target, run.precision)
+    kept = check_headroom(run.headroom, where)
+    make_module = module_factory(module, run.module_init_args)
     _check_module(where.throwaway(make_module))
     return where, kept, make_module
 

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import Unpack
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.memory.fake import Target
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure
 from lightning_accum.probe.measure import _Where
+from lightning_accum.probe.options import ProbeOptions, RunOptions
 from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.probe.token_result import TokenMeasurement, TokenProbeResult
@@ -67,15 +68,7 @@ def probe_tokens(
     sequence_lengths: Sequence[int] | None = None,
     fit_micro_batch_sizes: Sequence[int] | None = None,
     steps: int = 1,
-    warmup_steps: int = 1,
-    device: str | torch.device = "cpu",
-    budget_bytes: float | None = None,
-    module_init_args: Mapping[str, Any] | None = None,
-    data_init_args: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    target: Target | None = None,
-    precision: str | int = "32-true",
-    headroom: float | None = None,
+    **options: Unpack[ProbeOptions],
 ) -> TokenProbeResult:
     """Measure accumulating steps at every sequence length and micro-batch size, and fit ``peak(T, L)``.
 
@@ -90,7 +83,9 @@ def probe_tokens(
         sequence_lengths: the lengths ``L``, each at most the batch's padded length ``P`` (default ``P/4, P/2, P``).
         fit_micro_batch_sizes: the sequences per micro-batch ``n``, each at most ``batch_size`` (``B/8, B/4, B/2``).
         steps: measured optimizer steps per shape.
-        warmup_steps: unmeasured steps before them (the first creates optimizer state).
+
+    Keyword Args:
+        warmup_steps: unmeasured steps before them (default 1; the first creates optimizer state).
         device: where to run; ``"meta"`` traces on fake tensors and predicts for ``target``, allocating nothing.
         budget_bytes: a memory budget; the result says which token budget fits it.
         module_init_args: keyword arguments for an import-path or factory ``module``.
@@ -106,14 +101,15 @@ def probe_tokens(
             names, no optimizer, or no loss returned.
         RuntimeError: manual optimization, or a device that is not available. ImportError: a bad import path.
     """
+    run = RunOptions.of("probe_tokens", options)
     batch_size = check_int(batch_size, "batch_size", 1)
-    steps, warmup_steps = check_int(steps, "steps", 1), check_int(warmup_steps, "warmup_steps", 0)
+    steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
     sequences = _check_sequences(sequences)
-    where, kept, make_module = measure._checked_setup(module, module_init_args, device, target, precision, headroom)
-    make_batch = batch_factory(data, data_init_args, batch_size)
+    where, kept, make_module = measure._checked_setup(module, run)
+    make_batch = batch_factory(data, run.data_init_args, batch_size)
     plan = _plan(sequences, make_batch, batch_size, sequence_lengths, fit_micro_batch_sizes)
-    runs = [measure._measure(make_module, make, n, 2, steps, warmup_steps, where, seed) for make, n in plan.each()]
-    return _fit(_result(plan, sequences, runs, where, budget_bytes, kept))
+    runs = [measure._measure(make_module, make, n, 2, steps, warmup_steps, where, run.seed) for make, n in plan.each()]
+    return _fit(_result(plan, sequences, runs, where, run.budget_bytes, kept))
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------

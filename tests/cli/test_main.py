@@ -61,3 +61,21 @@ def test_a_real_process_prints_one_line_and_no_traceback():
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "summary", "description"),
+    [
+        ("probe", "measure peak memory with and without gradient accumulation", "Run a few real training steps"),
+        ("report", "plot a run's accumulation, memory, recovery and throughput", "Draw the panels of the"),
+        ("dashboard", "create the lightning_accum W&B workspace", "Build the W&B workspace with the Batch"),
+    ],
+)
+def test_each_subcommand_is_listed_with_its_summary_and_describes_itself(capsys, command, summary, description):
+    # The entry point builds every subcommand's parser from what the subcommand's module says of itself.
+    with pytest.raises(SystemExit, match="0"):
+        run_cli(capsys, "--help")
+    assert summary in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit, match="0"):
+        run_cli(capsys, command, "--help")
+    assert description in " ".join(capsys.readouterr().out.split())

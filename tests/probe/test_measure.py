@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_accum.probe import probe_memory
+from lightning_accum.probe.options import ProbeOptions, RunOptions
 from tests.probe.models import ActHeavy, ParamHeavy, RegressionData, grad_bytes, regression_batch
 
 # ---- the two comparisons --------------------------------------------------------------------------------------------
@@ -105,6 +108,13 @@ def test_datamodule_and_instance_give_the_same_peaks_as_a_factory():
         ({"batch_size": 0}, ValueError, r"`batch_size` must be an int >= 1, got 0"),
         ({"batch_size": 8, "accumulation_steps": (1,)}, ValueError, r"`accumulation_steps` must be an int >= 2, got 1"),
         ({"batch_size": 8, "steps": 0}, ValueError, r"`steps` must be an int >= 1, got 0"),
+        ({"batch_size": 8, "warmup_steps": -1}, ValueError, r"`warmup_steps` must be an int >= 0, got -1"),
+        (
+            {"batch_size": 8, "warmup": 0},
+            TypeError,
+            r"`probe_memory\(\)` got an unexpected keyword argument `warmup=0`\. The keywords both probes share are "
+            r"`warmup_steps`, `device`",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, match):
@@ -120,3 +130,10 @@ def test_manual_optimization_is_refused():
 
     with pytest.raises(RuntimeError, match="uses manual optimization"):
         probe_memory(Manual, regression_batch, batch_size=4, accumulation_steps=(2,), fit_micro_batch_sizes=())
+
+
+def test_the_shared_keywords_are_typed_and_defaulted_once_for_both_probes():
+    # `ProbeOptions` types the keywords for a type checker and `RunOptions` gives their defaults: the two must agree.
+    assert list(ProbeOptions.__annotations__) == [field.name for field in dataclasses.fields(RunOptions)]
+    assert RunOptions.of("probe_memory", {"seed": 3}) == RunOptions(seed=3)
+    assert RunOptions.of("probe_memory", {}).device == "cpu"

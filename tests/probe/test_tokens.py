@@ -227,6 +227,8 @@ def test_the_table_reads_in_one_unit_and_names_the_shapes(eager, tmp_path):
         ({"sequences": PaddedSequences(mask="mask")}, ValueError, r"`sequences`: .*the batch has no 'mask'"),
         ({"sequences": "attention_mask"}, TypeError, r"`sequences` must be a `lightning_accum.sequences.Padded"),
         ({"headroom": 1.0}, ValueError, r"`headroom` must be a fraction in \[0, 1\)"),
+        ({"warmup_steps": -1}, ValueError, r"`warmup_steps` must be an int >= 0, got -1"),
+        ({"devcie": "cpu"}, TypeError, r"`probe_tokens\(\)` got an unexpected keyword argument `devcie='cpu'`"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_is_measured(monkeypatch, kwargs, error, match):
