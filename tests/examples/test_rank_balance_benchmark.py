@@ -38,6 +38,7 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
         assert row["by cost"]["modelled_imbalance"] < row["at random"]["modelled_imbalance"]
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
+        assert 1.0 <= row["bound"]["mean"] <= row["by cost"]["mean"] * (1 + 1e-12)  # no deal beats the dearest sample
     assert out.count("| per rank | deal |") == 1 and out.count("| ranks x per rank |") == 1
 
     # The sampler deals by the cut at the benchmark's budget, with the pass cost fitted on this machine.
