@@ -450,3 +450,7 @@ def assert_grads_close(
             torch.testing.assert_close(
                 a[name], e[name], msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}", **tolerance
             )
+
+
+DASHBOARD_SECTIONS = ["Batch", "Tokens", "Ranks", "Noise scale", "Memory", "Recovery", "Throughput"]
+"""The dashboard's sections, in order (the user's own metrics' section comes after them)."""

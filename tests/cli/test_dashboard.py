@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
+import tests.helpers as h
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
 from lightning_accum.cli.main import main
 from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
@@ -165,16 +166,7 @@ def test_the_users_own_metrics_get_panels(tmp_path, no_network, capsys):
     assert main(argv) == 0
     spec = json.loads(output.read_text())
     sections = {section.name: section.panels for section in _workspace(spec).sections}
-    assert list(sections) == [
-        "Batch",
-        "Tokens",
-        "Ranks",
-        "Noise scale",
-        "Memory",
-        "Recovery",
-        "Throughput",
-        USER_SECTION,
-    ]
+    assert list(sections) == [*h.DASHBOARD_SECTIONS, USER_SECTION]
     assert [panel.metric_regex for panel in sections[USER_SECTION][:2]] == ["^train/.*", "^val/.*"]
     assert [metric.name for metric in sections[USER_SECTION][2].y] == ["train_loss_step"]
 
@@ -193,7 +185,7 @@ def test_no_user_prefixes_means_no_user_section(tmp_path, no_network):
     output = tmp_path / "spec.json"
     assert main(["dashboard", "--entity", "t", "--project", "p", "--user-prefixes", "-o", str(output)]) == 0
     names = [section.name for section in _workspace(json.loads(output.read_text())).sections]
-    assert names == ["Batch", "Tokens", "Ranks", "Noise scale", "Memory", "Recovery", "Throughput"]
+    assert names == h.DASHBOARD_SECTIONS
 
 
 def test_the_capacity_is_a_number_and_the_budget_shares_the_peaks_panel(tmp_path, no_network):

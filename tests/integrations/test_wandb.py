@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.helpers as h
 from lightning_accum import keys
 from lightning_accum.integrations import wandb as integration
 from lightning_accum.integrations import wandb_offline as reader
@@ -195,15 +196,7 @@ def test_dashboard_spec_is_built_offline_and_names_exactly_the_contract_keys(no_
     assert spec["entity"] == "my-team" and spec["project"] == "my-project"
     assert spec_metric_keys(spec) == CONTRACT_KEYS == set(layout_keys())
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
-    assert [s["name"] for s in sections] == [
-        "Batch",
-        "Tokens",
-        "Ranks",
-        "Noise scale",
-        "Memory",
-        "Recovery",
-        "Throughput",
-    ]
+    assert [s["name"] for s in sections] == h.DASHBOARD_SECTIONS
     panels = [p for s in sections for p in s["panels"]]
     assert {p["config"]["xAxis"] for p in panels if "xAxis" in p["config"]} == {STEP_METRIC}
     assert spec["spec"]["section"]["settings"]["xAxis"] == STEP_METRIC
