@@ -15,8 +15,9 @@ lengths, with no communication.
   (Karmarkar-Karp's largest differencing, or greedy longest-first to the lightest part).
 - `StepCost`: what a rank's step costs under split by tokens: its micro-batches' padded tokens, and a fixed cost per
   pass (``pass_cost_tokens``, in tokens) for each micro-batch the cut at ``micro_batch_tokens`` makes.
-- `deal`: `partition` by tokens, then `refine`: samples moved and swapped between the slowest rank and the
-  lightest ones, each rank's share priced by its real cut (`StepCost.of`), while the slowest rank gets cheaper.
+- `deal`: by the real cut, `greedy_by_price` (longest first to the rank whose priced share is cheapest), then
+  `refine`: samples moved and swapped between the slowest rank and the lightest ones, each rank's share priced by
+  its real cut (`StepCost.of`), while the slowest rank gets cheaper; by tokens alone, `partition`.
 - `imbalance`: the slowest rank's cost over the mean rank's.
 
 Examples:
@@ -253,12 +254,39 @@ def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
 def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: StepCost | None = None) -> list[list[int]]:
     """Positions of ``lengths`` dealt into ``parts`` ranks, the slowest step (by ``cost``) close to the mean.
 
-    `partition` by each sample's tokens, then, when ``cost`` knows the passes, `refine` by each rank's real cut. Each
-    part ascending; every part holds a sample when there are at least ``parts``.
+    When ``cost`` knows the passes: `greedy_by_price` (longest first to the rank whose share, priced by its real cut,
+    is cheapest), then `refine`. Otherwise `partition` by each sample's tokens with ``method``. Each part ascending;
+    every part holds a sample when there are at least ``parts``.
+
+    Started from the deal by tokens instead, the refinement stops short where whole passes must move between ranks:
+    on the rank-balance benchmark's lengths at 8 sequences per rank, 1.053 of the mean on 64 ranks and 1.115 on 512,
+    against 1.019 and 1.019 from the priced greedy deal (and 1.027 against 1.013 on 8 ranks).
     """
     cost = cost or StepCost()
-    parts_ = partition(sample_costs(lengths, cost.quadratic), parts, method)
-    return refine(lengths, parts_, cost) if cost.knows_passes else parts_
+    if not cost.knows_passes:
+        return partition(sample_costs(lengths, cost.quadratic), parts, method)
+    return refine(lengths, greedy_by_price(lengths, parts, cost), cost)
+
+
+def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[list[int]]:
+    """Each sample, longest first, to the part whose share is cheapest by ``cost`` (its real cut): a pass counted.
+
+    Deterministic: ties go to the lower part. Every part gets a sample before any gets a second (an empty share
+    costs nothing). Parts ascending.
+
+    Example:
+        >>> greedy_by_price([8, 8, 8, 8, 8, 8], 2, StepCost(micro_batch_tokens=16, pass_cost_tokens=8))
+        [[0, 2, 4], [1, 3, 5]]
+    """
+    if parts < 1:
+        raise ValueError(f"`parts` must be at least 1, got {parts}.")
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    cheapest = [(0.0, p) for p in range(parts)]  # a heap of (price of the share, part)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        _, p = heapq.heappop(cheapest)
+        shares[p].append(i)
+        heapq.heappush(cheapest, (cost.of([lengths[j] for j in shares[p]]), p))
+    return [sorted(share) for share in shares]
 
 
 def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost) -> list[list[int]]:
