@@ -11,9 +11,10 @@ from lightning_accum.integrations.wandb import USER_PREFIXES
 HELP = "create the lightning_accum W&B workspace (or write its spec with --output)"
 
 DESCRIPTION = (
-    "Build the W&B workspace with the Batch, Memory, Recovery and Throughput sections for the metrics"
-    " AccumulationMonitor logs, and a 'Your metrics' section for your own (train/*, val/*). With --output,"
-    " write its JSON spec and touch no network; without it, save it to ENTITY/PROJECT on W&B (needs a login)."
+    "Build the W&B workspace with the Batch, Tokens, Ranks, Noise scale, Memory, Recovery and Throughput sections"
+    " for the metrics AccumulationMonitor logs, and a 'Your metrics' section for your own (train/*, val/*). With"
+    " --output, write its JSON spec and touch no network; without it, save it to ENTITY/PROJECT on W&B (needs a"
+    " login)."
 )
 
 

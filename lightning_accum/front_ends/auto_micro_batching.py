@@ -48,7 +48,7 @@ from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
 from lightning_accum.split.planner_settings import PlannerSettings
 from lightning_accum.split.planner_units import Tokens
-from lightning_accum.split.step import AgreedFigures, RankBalance, SplitStepRunner
+from lightning_accum.split.step import SplitStepRunner, published_figures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
@@ -341,7 +341,8 @@ class AutoMicroBatching(AccumulationOwner):
             rank_zero_warn(unreachable)  # said once
         if self._closed is not None:
             closed, self._closed = self._closed, None
-            samples, tokens, ranks = _step_figures(figures, closed, self.sequences is not None, trainer.world_size)
+            by_tokens, world = self.sequences is not None, trainer.world_size
+            samples, tokens, ranks = published_figures(figures, closed.totals.extra, by_tokens, world)
             budget = self.planner.budget_bytes
             self._publish_step("split", samples, closed, runner.window_loss, figures.peak, budget, tokens, ranks)
         # A shrink or grow decided now applies from the next step on: it is logged and reported when that step
@@ -407,21 +408,6 @@ def check_sequences(
             " Remove `min_micro_batch_size`."
         )
     return sequences
-
-
-def _step_figures(
-    figures: AgreedFigures, closed: ClosedWindow, by_tokens: bool, world_size: int
-) -> tuple[int, tuple[int, float] | None, RankBalance | None]:
-    """A step's samples per micro-batch, its token figures and the ranks' balance, from what the ranks agreed.
-
-    By tokens, the token figures are the budget and the share of the step's padded token positions that held no real
-    token, all ranks, and the micro-batch's samples are the largest micro-batch's.
-    """
-    cost, padded, real = (*closed.totals.extra, 0, 0)[:3]  # `SplitStepRunner.summed_figures`: the cost, then tokens
-    balance = RankBalance.of(figures, cost, world_size)
-    if not by_tokens:
-        return figures.size, None, balance
-    return figures.largest_samples, (figures.size, (1.0 - real / padded) if padded > 0 else 0.0), balance
 
 
 # Split by tokens, micro-batches hold very different numbers of tokens: weighting each micro-batch's token mean by its

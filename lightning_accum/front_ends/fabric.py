@@ -45,7 +45,7 @@ from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.planner_settings import PlannerSettings
 from lightning_accum.split.planner_units import Tokens
-from lightning_accum.split.step import RankBalance, SplitStepRunner
+from lightning_accum.split.step import SplitStepRunner, published_figures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import FSDP2, DDPDeferred, DDPOverlap, GradientSync, SyncPolicy
 
@@ -335,13 +335,11 @@ class FabricMicroBatching(_FabricFrontEnd):
         self.planner.on_step(figures.size, figures.peak, step, figures.alloc_retries)
         self._take_planner_events()
         by_tokens = self.sequences is not None
-        padded, real = closed.totals.extra[1:] if by_tokens else (0, 0)  # after the step cost
-        balance = RankBalance.of(figures, closed.totals.extra[0], self.fabric.world_size)
+        samples, tokens, balance = published_figures(figures, closed.totals.extra, by_tokens, self.fabric.world_size)
         self._publish(
-            closed, figures.largest_samples if by_tokens else figures.size, self.runner.window_loss,
-            peak_bytes=figures.peak, budget_bytes=self.planner.budget_bytes,
-            micro_batch_tokens=figures.size if by_tokens else None,
-            padding_fraction=(1 - real / padded if padded else 0.0) if by_tokens else None,
+            closed, samples, self.runner.window_loss, peak_bytes=figures.peak, budget_bytes=self.planner.budget_bytes,
+            micro_batch_tokens=None if tokens is None else tokens[0],
+            padding_fraction=None if tokens is None else tokens[1],
             rank_imbalance=None if balance is None else balance.imbalance,
             sync_wait_seconds=None if balance is None else balance.sync_wait_seconds,
         )  # fmt: skip

@@ -62,15 +62,18 @@ class BalancedBatchSampler(Sampler[list[int]]):
         seed: the permutation's seed (the epoch is added to it).
         drop_last: drop the epoch's last step batch when it holds fewer than ``batch_size`` samples. Kept, a last step
             batch with fewer samples than ranks takes samples from the epoch's first step batch, one a rank.
-        method: how to deal (`lightning_accum.split.balancing.partition`): ``"best"`` (the default: Karmarkar-Karp's
-            deal or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or ``"greedy"``.
+        method: how to deal by tokens (`lightning_accum.split.balancing.partition`): ``"best"`` (the default:
+            Karmarkar-Karp's deal or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or
+            ``"greedy"``. With ``micro_batch_tokens`` the deal is priced by the cut instead, and ``method`` is not
+            used.
         quadratic: count ``length ** 2 / quadratic`` more per sample for attention (see
             `lightning_accum.split.balancing.sample_costs`); ``None`` counts tokens.
         micro_batch_tokens: the token budget split by tokens cuts each rank's share at (pass `AutoMicroBatching`'s
             ``micro_batch_tokens``). Given, each rank's step is priced as its cut costs (a fixed ``pass_cost_tokens``
-            per micro-batch plus its padded tokens) and the deal by tokens is refined by moves and swaps
-            (`lightning_accum.split.balancing.refine`): tokens alone balance the tokens to about 1.01 but the compute
-            only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
+            per micro-batch plus its padded tokens): each sample, longest first, goes to the rank whose share is
+            cheapest so priced (`lightning_accum.split.balancing.greedy_by_price`), then moves and swaps refine the
+            deal (`lightning_accum.split.balancing.refine`). Tokens alone balance the tokens to about 1.01 but the
+            compute only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
         pass_cost_tokens: a micro-batch pass's fixed cost in tokens (`lightning_accum.split.balancing.PASS_COST_TOKENS`,
             measured on a CPU, by default; measure yours as ``examples/benchmarks/rank_balance.py`` does).
         sampler: set by Lightning (a ``DistributedSampler``), for the world size, rank and epoch.

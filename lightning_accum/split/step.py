@@ -21,7 +21,7 @@ a fault in the synced backward no retry is possible (the others are in the colle
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple, Protocol
 
@@ -393,6 +393,27 @@ class SplitStepRunner:
             self.cut = self.sequences.cut(context.batch, self.engine.hooks)
         self.step_size = self.cut.tokens
         self.planner.unit.set_longest(self.cut.longest)
+
+
+def published_figures(
+    figures: AgreedFigures, summed: Sequence[float], by_tokens: bool, world_size: int
+) -> tuple[int, tuple[int, float] | None, RankBalance | None]:
+    """A step's samples per micro-batch, its token figures and the ranks' balance, as the front ends report them.
+
+    ``summed`` is `SplitStepRunner.summed_figures` summed over ranks (the window's ``totals.extra``): the step cost,
+    then by tokens the padded and real tokens. By tokens, the token figures are the budget and the share of the
+    step's padded token positions that held no real token, all ranks, and the samples are the largest micro-batch's.
+
+    Examples:
+        >>> figures = AgreedFigures(0, 0, 96, 400, 40, 3, cost=300, wait_us=0)
+        >>> published_figures(figures, (500, 400, 300), by_tokens=True, world_size=2)
+        (3, (96, 0.25), RankBalance(imbalance=1.2, sync_wait_seconds=0.0))
+    """
+    cost, padded, real = (*summed, 0, 0)[:3]
+    balance = RankBalance.of(figures, cost, world_size)
+    if not by_tokens:
+        return figures.size, None, balance
+    return figures.largest_samples, (figures.size, (1.0 - real / padded) if padded > 0 else 0.0), balance
 
 
 def _finish_device_work(tensor: Tensor) -> None:
