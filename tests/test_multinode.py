@@ -63,38 +63,22 @@ def node_env(launcher: str, node_rank: int, port: int) -> dict[str, str]:
         env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(NODES), NODE_RANK=str(node_rank), LOCAL_RANK="0")
     elif launcher == "torchrun":
         # torchrun --nnodes=2 --nproc-per-node=1 --node-rank=n --master-addr=... --master-port=... train.py
-        # exports these to its worker. Without torchrun's agent there is no agent store to join, so rank 0 hosts it.
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            WORLD_SIZE=str(NODES),
-            RANK=str(node_rank),
-            LOCAL_RANK="0",
-            GROUP_RANK=str(node_rank),
-            ROLE_RANK=str(node_rank),
-            ROLE_NAME="default",
-            LOCAL_WORLD_SIZE="1",
-            GROUP_WORLD_SIZE=str(NODES),
-            ROLE_WORLD_SIZE=str(NODES),
-            TORCHELASTIC_RUN_ID="multinode-test",
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
-            TORCHELASTIC_USE_AGENT_STORE="False",
-        )
+        # exports these to its worker. One process per node: each of its ranks is the node's, each world size the
+        # node count. Without torchrun's agent there is no agent store to join, so rank 0 hosts it.
+        env.update(dict.fromkeys(("RANK", "GROUP_RANK", "ROLE_RANK"), str(node_rank)))
+        env.update(dict.fromkeys(("WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"), str(NODES)))
+        env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ROLE_NAME="default")
+        env.update(TORCHELASTIC_RUN_ID="multinode-test", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        env.update(TORCHELASTIC_USE_AGENT_STORE="False")
     elif launcher == "slurm":
-        # sbatch --nodes=2 --ntasks-per-node=1, then `srun python train.py`: srun exports these to each task.
-        # MASTER_ADDR comes from the node list (Lightning takes its first host); MASTER_PORT is set to a free port
-        # here instead of Lightning's default (15000 + the last 4 digits of the job id).
-        env.update(
-            SLURM_JOB_ID="4242",
-            SLURM_JOB_NAME="multinode",
-            SLURM_NNODES=str(NODES),
-            SLURM_NTASKS=str(NODES),
-            SLURM_NTASKS_PER_NODE="1",
-            SLURM_NODELIST="127.0.0.1",
-            SLURM_NODEID=str(node_rank),
-            SLURM_PROCID=str(node_rank),
-            SLURM_LOCALID="0",
-        )
+        # sbatch --nodes=2 --ntasks-per-node=1, then `srun python train.py`: srun exports these to each task (its
+        # node's ids, and the node and task counts). MASTER_ADDR comes from the node list (Lightning takes its first
+        # host); MASTER_PORT is set to a free port here instead of Lightning's default (15000 + the last 4 digits of
+        # the job id).
+        env.update(dict.fromkeys(("SLURM_NODEID", "SLURM_PROCID"), str(node_rank)))
+        env.update(dict.fromkeys(("SLURM_NNODES", "SLURM_NTASKS"), str(NODES)))
+        env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="multinode", SLURM_NODELIST="127.0.0.1")
+        env.update(SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0")
     else:
         raise ValueError(launcher)
     return env
