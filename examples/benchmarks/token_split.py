@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from examples.char_lm.model import Block
 from lightning_accum import AccumulationMonitor, AutoMicroBatching
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.backends import CPUBackend
@@ -122,31 +123,11 @@ def sort_and_trim(batch: dict[str, Tensor], micro_batch_size: int) -> list[dict[
 # ---- the model -----------------------------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention (SDPA, with the padding mask), then an MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.attention_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-        self.mlp_norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
-        batch, length, dim = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.mlp_norm(x))
-
-
 class CausalLM(pl.LightningModule):
     """A small causal LM that shifts its labels inside and averages the cross-entropy over its loss-bearing tokens.
 
-    Records, for every step, the token positions its micro-batches computed, the real tokens among them, and the
-    number of micro-batches.
+    Its blocks are `examples.char_lm.model.Block`s without dropout, attending to no padding. Records, for every step,
+    the token positions its micro-batches computed, the real tokens among them, and the number of micro-batches.
     """
 
     def __init__(

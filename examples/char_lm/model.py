@@ -12,8 +12,16 @@ from torch import Tensor, nn
 from examples.char_lm.data import IGNORE_INDEX, VOCAB_SIZE
 
 
-class _Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention (SDPA), then an MLP, each with dropout on its output.
+
+    Args:
+        d_model: the width of the residual stream.
+        n_heads: attention heads; must divide ``d_model``.
+        dropout: dropout probability in attention and after each sublayer.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.dropout = dropout
@@ -24,12 +32,17 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, allowed: Tensor | None = None) -> Tensor:
+        """``x`` through the block; ``allowed`` (boolean, broadcast to ``(batch, heads, length, length)``) says which
+        positions each one attends to, in place of the causal mask (e.g. causal and not padding)."""
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
         q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        # Causal attention needs no padding mask: padding sits on the right, so no real byte ever attends to it.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # Without `allowed`, causal attention needs no padding mask: padding sits on the right, so no real byte ever
+        # attends to it.
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, length, width)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -85,7 +98,7 @@ class CharLM(pl.LightningModule):
         self.weight_decay = weight_decay
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(max_length, d_model)
-        self.blocks = nn.ModuleList(_Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: fewer parameters, better small-data perplexity
