@@ -114,34 +114,19 @@ class SectionSpec:
 # Counts, sizes and rates are drawn from zero, so that a flat line reads as flat rather than as noise.
 _FROM_ZERO: tuple[float | None, float | None] = (0, None)
 
+
+def _marked(title: str, drawn: tuple[str, ...], y_label: str, *, integer: bool = False) -> PanelSpec:
+    """A panel from zero with the `keys.EVENT_KEYS` steps marked: what a change of the batch or an OOM moves."""
+    return PanelSpec(title, drawn, y_label, _FROM_ZERO, integer=integer, mark_events=True)
+
+
 PANEL_LAYOUT: tuple[SectionSpec, ...] = (
     SectionSpec(
         "Batch",
         (
-            PanelSpec(
-                "Effective batch size",
-                (keys.EFFECTIVE_BATCH_SIZE,),
-                "samples / step (all ranks)",
-                _FROM_ZERO,
-                integer=True,
-                mark_events=True,
-            ),
-            PanelSpec(
-                "Micro-batch size",
-                (keys.MICRO_BATCH_SIZE,),
-                "samples / micro-batch",
-                _FROM_ZERO,
-                integer=True,
-                mark_events=True,
-            ),
-            PanelSpec(
-                "Accumulation steps",
-                (keys.ACCUMULATION_STEPS,),
-                "micro-batches / step",
-                _FROM_ZERO,
-                integer=True,
-                mark_events=True,
-            ),
+            _marked("Effective batch size", (keys.EFFECTIVE_BATCH_SIZE,), "samples / step (all ranks)", integer=True),
+            _marked("Micro-batch size", (keys.MICRO_BATCH_SIZE,), "samples / micro-batch", integer=True),
+            _marked("Accumulation steps", (keys.ACCUMULATION_STEPS,), "micro-batches / step", integer=True),
             PanelSpec("Items per step", (keys.ITEMS_PER_STEP,), "items / step (all ranks)", _FROM_ZERO, integer=True),
             # The report overlays the user's own training loss here, where it was logged.
             PanelSpec("Window loss", (keys.WINDOW_LOSS,), "item-weighted mean loss"),
@@ -152,14 +137,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         # is the Batch section's accumulation steps.
         "Tokens",
         (
-            PanelSpec(
-                "Token budget",
-                (keys.MICRO_BATCH_TOKENS,),
-                "padded tokens / micro-batch",
-                _FROM_ZERO,
-                integer=True,
-                mark_events=True,
-            ),
+            _marked("Token budget", (keys.MICRO_BATCH_TOKENS,), "padded tokens / micro-batch", integer=True),
             PanelSpec("Padding", (keys.PADDING_FRACTION,), "fraction of positions computed (all ranks)", _FROM_ZERO),
         ),
     ),
@@ -175,13 +153,7 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         # Only with AccumulationMonitor(gradient_noise_scale=True): the batch the gradient says is worth it.
         "Noise scale",
         (
-            PanelSpec(
-                "Noise scale vs items per step",
-                (keys.GRADIENT_NOISE_SCALE, keys.ITEMS_PER_STEP),
-                "items",
-                _FROM_ZERO,
-                mark_events=True,
-            ),
+            _marked("Noise scale vs items per step", (keys.GRADIENT_NOISE_SCALE, keys.ITEMS_PER_STEP), "items"),
             PanelSpec("|G|² and tr(Σ)", (keys.GRAD_SQ_NORM, keys.GRAD_TRACE_COV), "squared gradient norm"),
             PanelSpec("Non-finite windows skipped", (keys.NOISE_SCALE_SKIPPED,), "windows", _FROM_ZERO),
         ),
@@ -189,21 +161,9 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
     SectionSpec(
         "Memory",
         (
-            PanelSpec(
-                "Peak memory",
-                (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB),
-                "GiB (max over ranks)",
-                _FROM_ZERO,
-                mark_events=True,
-            ),
-            PanelSpec(
-                # From zero, not to 1: a budget of a few percent of capacity (CPU) must still be visible.
-                "Peak fraction vs budget",
-                (keys.PEAK_FRACTION, BUDGET_FRACTION),
-                "fraction of capacity",
-                _FROM_ZERO,
-                mark_events=True,
-            ),
+            _marked("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)"),
+            # From zero, not to 1: a budget of a few percent of capacity (CPU) must still be visible.
+            _marked("Peak fraction vs budget", (keys.PEAK_FRACTION, BUDGET_FRACTION), "fraction of capacity"),
             # A number, not a line: the capacity does not move, and a line of it would say nothing.
             PanelSpec("Capacity", (keys.CAPACITY_GIB,), "GiB", style="scalar"),
         ),
