@@ -47,6 +47,11 @@ def _int(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
+def _plural(word: str, count: float) -> str:
+    """``word``, with an ``s`` unless ``count`` is 1."""
+    return word if count == 1 else f"{word}s"
+
+
 def _steps_text(series: Series) -> str:
     steps = sorted({s for key in layout_keys() for s, _ in series.get(key, [])})
     if not steps:
@@ -146,8 +151,10 @@ def _oom_text(series: Series) -> str:
     count = int(retries[-1]) if retries else len(steps)
     if not count and not steps:
         return "No OOMs." if retries else ""
-    where = f" (at step{'s' if len(steps) > 1 else ''} {', '.join(_int(s) for s in steps)})" if steps else ""
-    return f"{count} OOM{'s' if count != 1 else ''} recovered{where}."
+    text = f"{count} {_plural('OOM', count)} recovered"
+    if steps:
+        text += f" (at {_plural('step', len(steps))} {', '.join(_int(s) for s in steps)})"
+    return text + "."
 
 
 def _memory_text(series: Series) -> str:
@@ -162,7 +169,7 @@ def _memory_text(series: Series) -> str:
         return text + ", with no memory budget set."
     budget_at = dict(series.get(BUDGET_FRACTION, []))
     over = sum(1 for s, f in series.get(keys.PEAK_FRACTION, []) if f > budget_at.get(s, math.inf))
-    where = f", over it at {over} logged step{'s' if over != 1 else ''}" if over else ", within it"
+    where = f", over it at {over} logged {_plural('step', over)}" if over else ", within it"
     return f"{text} against a budget of {budgets[-1]:.1%}{where}."
 
 
