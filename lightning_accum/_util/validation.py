@@ -66,6 +66,34 @@ def check_int(
     return value
 
 
+def check_int_worded(value: Any, minimum: int, *, type_error: str, value_error: str, hint: str = "") -> int:
+    """``value`` if it is an int >= ``minimum``, for a check whose messages say more than `check_int`'s words.
+
+    Args:
+        value: what the user passed (or what their code returned).
+        minimum: the smallest value allowed.
+        type_error: what the message about a wrong type starts with, e.g. ``"`n` must be an int (steps)"``; it goes on
+            with the value received and its type.
+        value_error: what the message about a value below ``minimum`` starts with; it goes on with the value.
+        hint: a sentence that ends the message about a wrong type: how to fix it.
+
+    Raises:
+        TypeError: ``value`` is not an int (a bool is refused, as by `check_int`).
+        ValueError: ``value < minimum``.
+
+    Examples:
+        >>> check_int_worded(-1, 0, type_error="`hook` must return an int", value_error="`hook` must return >= 0")
+        Traceback (most recent call last):
+            ...
+        ValueError: `hook` must return >= 0, got -1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type_error}, got {value!r} of type {type(value).__name__}." + (f" {hint}" if hint else ""))
+    if value < minimum:
+        raise ValueError(f"{value_error}, got {value}.")
+    return value
+
+
 def check_number(
     value: Any,
     name: str | None,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum import keys
+from lightning_accum._util.validation import check_int_worded
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.noise_scale import NoiseScale, NoiseScaleEstimator
 from lightning_accum.core.step_report import LossSum, StepReport
@@ -55,14 +56,12 @@ def check_logging_interval(value: Any) -> int | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"`logging_interval` must be an int (optimizer steps) or None (follow `Trainer(log_every_n_steps)`),"
-            f" got {value!r} of type {type(value).__name__}."
-        )
-    if value < 1:
-        raise ValueError(f"`logging_interval` must be >= 1 (log every that many optimizer steps), got {value}.")
-    return value
+    return check_int_worded(
+        value,
+        1,
+        type_error="`logging_interval` must be an int (optimizer steps) or None (follow `Trainer(log_every_n_steps)`)",
+        value_error="`logging_interval` must be >= 1 (log every that many optimizer steps)",
+    )
 
 
 def check_key_prefix(value: Any) -> str:

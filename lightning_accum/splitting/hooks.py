@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from lightning_accum._util.validation import as_whole_number, check_int, import_object
+from lightning_accum._util.validation import as_whole_number, check_int, check_int_worded, import_object
 from lightning_accum.splitting.plan import BatchPlan, MicroBatch, _plan, batch_size_of
 
 # A user hook `split_batch(batch, micro_batch_size) -> list of micro-batches`, and `batch_size_of(batch) -> int`.
@@ -169,15 +169,15 @@ def _pick_hook(name: str, signature: str, given: Any, module: object | None) -> 
 
 
 def _check_count(value: Any, name: str) -> int:
-    count = as_whole_number(value)
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(
-            f"{name} must return an int >= 0 (the number of samples in the batch), got {value!r} of type"
-            f" {type(value).__name__}. Count samples, not items: a weighted count belongs in `count_items`."
-        )
-    if count < 0:
-        raise ValueError(f"{name} must return an int >= 0 (the number of samples in the batch), got {count}.")
-    return count
+    # `as_whole_number` converts only integers, so a count refused here is what the hook returned, shown as it was.
+    expected = f"{name} must return an int >= 0 (the number of samples in the batch)"
+    return check_int_worded(
+        as_whole_number(value),
+        0,
+        type_error=expected,
+        value_error=expected,
+        hint="Count samples, not items: a weighted count belongs in `count_items`.",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
