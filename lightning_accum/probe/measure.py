@@ -84,14 +84,16 @@ def probe_memory(
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
     ks, configs = _plan(batch_size, accumulation_steps, fit_micro_batch_sizes, grid)
-    where, kept, make_module = _checked_setup(module, run)
+    setup = _checked_setup(module, run)
     make_batch = batch_factory(data, run.data_init_args, max(batch_size, *(b for b, _ in configs)))
-    runs = [_measure(make_module, make_batch, b, k, steps, warmup_steps, where, run.seed) for b, k in configs]
-    return _fit(_result(batch_size, ks, runs, where, run.budget_bytes, kept))
+    runs = [
+        _measure(setup.make_module, make_batch, b, k, steps, warmup_steps, setup.where, run.seed) for b, k in configs
+    ]
+    return _fit(_result(batch_size, ks, runs, setup))
 
 
-def _checked_setup(module: ModuleSpec, run: RunOptions) -> tuple[_Where, float, Callable[[], nn.Module]]:
-    """Where the probe runs, the headroom it keeps and the module's factory, checked (for both probes).
+def _checked_setup(module: ModuleSpec, run: RunOptions) -> _Setup:
+    """Where the probe runs, the module's factory, and the budget and headroom it answers for, checked (both probes).
 
     The module is built once and checked here, so that a wrong module fails before any measuring.
     """
@@ -99,7 +101,7 @@ def _checked_setup(module: ModuleSpec, run: RunOptions) -> tuple[_Where, float, 
     kept = check_headroom(run.headroom, where)
     make_module = module_factory(module, run.module_init_args)
     _check_module(where.throwaway(make_module))
-    return where, kept, make_module
+    return _Setup(where, make_module, run.budget_bytes, kept)
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
@@ -197,20 +199,40 @@ class _Where:
             return make_module()
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What a probe checks before it measures: where it runs, the module's factory, the budget and its headroom."""
+
+    where: _Where
+    make_module: Callable[[], nn.Module]
+    budget_bytes: float | None
+    headroom: float
+
+    def result_fields(self, runs: list[tuple[ProbeMeasurement, int, int]]) -> dict[str, Any]:
+        """The fields both probes' results take from the setup and the runs: where, the model's bytes, the budget."""
+        _, param_bytes, grad_bytes = runs[-1]  # the same for every configuration
+        return {
+            "device": self.where.label,
+            "parameter_bytes": param_bytes,
+            "gradient_bytes": grad_bytes,
+            "budget_bytes": self.budget_bytes,
+            "target": self.where.target,
+            "precision": self.where.precision.name,
+            "headroom": self.headroom,
+        }
+
+
 def _result(
-    batch_size: int,
-    ks: list[int],
-    runs: list[tuple[ProbeMeasurement, int, int]],
-    where: _Where,
-    budget_bytes: float | None,
-    headroom: float,
+    batch_size: int, ks: list[int], runs: list[tuple[ProbeMeasurement, int, int]], setup: _Setup
 ) -> ProbeResult:
-    _, param_bytes, grad_bytes = runs[-1]  # the same for every configuration
     measurements = [m for m, _, _ in runs]
-    result = ProbeResult(batch_size, where.label, measurements, param_bytes, grad_bytes, ks, LinearPeakModel())
-    result.budget_bytes, result.target, result.precision = budget_bytes, where.target, where.precision.name
-    result.headroom = headroom
-    return result
+    return ProbeResult(
+        batch_size=batch_size,
+        measurements=measurements,
+        accumulation_steps=ks,
+        peak_model=LinearPeakModel(),
+        **setup.result_fields(runs),
+    )
 
 
 def _fit(result: ProbeResult) -> ProbeResult:

@@ -35,7 +35,7 @@ from typing_extensions import Unpack
 from lightning_accum._util.validation import check_int
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure
-from lightning_accum.probe.measure import _Where
+from lightning_accum.probe.measure import _Setup
 from lightning_accum.probe.options import ProbeOptions, RunOptions
 from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory
 from lightning_accum.probe.result import ProbeMeasurement
@@ -105,11 +105,14 @@ def probe_tokens(
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
     sequences = _check_sequences(sequences)
-    where, kept, make_module = measure._checked_setup(module, run)
+    setup = measure._checked_setup(module, run)
     make_batch = batch_factory(data, run.data_init_args, batch_size)
     plan = _plan(sequences, make_batch, batch_size, sequence_lengths, fit_micro_batch_sizes)
-    runs = [measure._measure(make_module, make, n, 2, steps, warmup_steps, where, run.seed) for make, n in plan.each()]
-    return _fit(_result(plan, sequences, runs, where, run.budget_bytes, kept))
+    runs = [
+        measure._measure(setup.make_module, make, n, 2, steps, warmup_steps, setup.where, run.seed)
+        for make, n in plan.each()
+    ]
+    return _fit(_result(plan, sequences, runs, setup))
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
@@ -186,31 +189,19 @@ def _micro_batches(plan: _Plan, sequence_dim: int, length: int) -> Callable[[int
 
 
 def _result(
-    plan: _Plan,
-    sequences: PaddedSequences,
-    runs: list[tuple[ProbeMeasurement, int, int]],
-    where: _Where,
-    budget_bytes: float | None,
-    headroom: float,
+    plan: _Plan, sequences: PaddedSequences, runs: list[tuple[ProbeMeasurement, int, int]], setup: _Setup
 ) -> TokenProbeResult:
-    _, param_bytes, grad_bytes = runs[-1]  # the same for every shape
     measurements = [
         TokenMeasurement.of(measured, length) for (measured, _, _), (length, _) in zip(runs, plan.shapes, strict=True)
     ]
     return TokenProbeResult(
         batch_size=plan.cut.size,
-        device=where.label,
         sequences=repr(sequences),
         padded_length=plan.cut.padded_length,
         step_lengths=list(plan.cut.lengths),
         measurements=measurements,
-        parameter_bytes=param_bytes,
-        gradient_bytes=grad_bytes,
         peak_model=SequencePeakModel(),
-        budget_bytes=budget_bytes,
-        target=where.target,
-        precision=where.precision.name,
-        headroom=headroom,
+        **setup.result_fields(runs),
     )
 
 
