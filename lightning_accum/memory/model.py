@@ -12,13 +12,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from lightning_accum._util.validation import check_int, check_number
 
 _STATE_VERSION = 1
+
+
+class _FitTerm(property):
+    """A read-only property: one coefficient of a peak model's fit (``model._fit[index]``), or ``None`` before a fit.
+
+    A `property` itself, so that it reads, documents and refuses assignment as one written with ``@property`` does.
+    """
+
+    def __init__(self, index: int, doc: str) -> None:
+        def term(model: Any) -> float | None:
+            fit: tuple[float, ...] | None = model._fit
+            return None if fit is None else fit[index]
+
+        super().__init__(term)
+        self.__doc__ = doc  # on the instance: a subclass's own docstring would shadow `property(doc=...)`
+
+    # Typed, where `property.__get__` returns Any: the models' coefficients stay `float | None` to mypy.
+    @overload
+    def __get__(self, instance: None, owner: type | None = None, /) -> _FitTerm: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None, /) -> float | None: ...
+
+    def __get__(self, instance: object, owner: type | None = None, /) -> _FitTerm | float | None:
+        return super().__get__(instance, owner)  # type: ignore[no-any-return]  # `property.__get__` returns Any
 
 
 class LinearPeakModel:
@@ -101,15 +126,10 @@ class LinearPeakModel:
 
     # ---- the fit --------------------------------------------------------------------------------------------------
 
-    @property
-    def fixed_bytes(self) -> float | None:
-        """The intercept: memory that does not depend on the micro-batch size, or ``None`` before a fit."""
-        return None if self._fit is None else self._fit[0]
-
-    @property
-    def per_sample_bytes(self) -> float | None:
-        """The slope (>= 0): memory per sample of the micro-batch, or ``None`` before a fit."""
-        return None if self._fit is None else self._fit[1]
+    fixed_bytes = _FitTerm(
+        0, "The intercept: memory that does not depend on the micro-batch size, or ``None`` before a fit."
+    )
+    per_sample_bytes = _FitTerm(1, "The slope (>= 0): memory per sample of the micro-batch, or ``None`` before a fit.")
 
     def _require_fit(self, what: str) -> tuple[float, float]:
         if self._fit is None:
@@ -252,25 +272,19 @@ class SequencePeakModel:
         """Whether two different token counts have been observed, so that a line is defined."""
         return self._fit is not None
 
-    @property
-    def fixed_bytes(self) -> float | None:
-        """Memory that does not depend on the micro-batch, or ``None`` before a fit."""
-        return None if self._fit is None else self._fit[0]
+    fixed_bytes = _FitTerm(0, "Memory that does not depend on the micro-batch, or ``None`` before a fit.")
 
     @property
     def per_sample_bytes(self) -> float | None:
         """Memory per padded token at the current `length` (the planner's per-unit cost), or ``None``."""
         return None if self._fit is None else self._fit[1] + self._fit[2] * self.length
 
-    @property
-    def per_token_bytes(self) -> float | None:
-        """``a``: memory per padded token that does not depend on the length, or ``None`` before a fit."""
-        return None if self._fit is None else self._fit[1]
-
-    @property
-    def per_token_length_bytes(self) -> float | None:
-        """``c``: memory per padded token and position of length (attention's ``T x L`` term), or ``None``."""
-        return None if self._fit is None else self._fit[2]
+    per_token_bytes = _FitTerm(
+        1, "``a``: memory per padded token that does not depend on the length, or ``None`` before a fit."
+    )
+    per_token_length_bytes = _FitTerm(
+        2, "``c``: memory per padded token and position of length (attention's ``T x L`` term), or ``None``."
+    )
 
     def predict(self, tokens: int, length: int | None = None) -> float:
         """Predicted peak of a micro-batch of ``tokens`` padded tokens of sequences ``length`` long.
