@@ -213,6 +213,15 @@ def tiny_tokens(micro_batch_size: int, seq_len: int = 32) -> dict:
     return random_tokens(micro_batch_size, seq_len, TINY.vocab_size)
 
 
+def log_normal_lengths(
+    count: int, median: float, sigma: float, shortest: int, longest: int, generator: torch.Generator
+) -> Tensor:
+    """``count`` sequence lengths, log-normal around ``median`` (``sigma`` the spread of its log), rounded and clamped
+    to ``[shortest, longest]``: a skewed distribution, as real fine-tuning sets have. Drawn from ``generator``."""
+    drawn = (torch.randn(count, generator=generator) * sigma).exp() * median
+    return drawn.round().clamp(shortest, longest).long()
+
+
 def padded_tokens(
     micro_batch_size: int,
     seq_len: int = 2048,
@@ -232,8 +241,7 @@ def padded_tokens(
     if median_length is None:
         lengths = torch.full((micro_batch_size,), seq_len)
     else:
-        drawn = (torch.randn(micro_batch_size, generator=g) * sigma).exp() * median_length
-        lengths = drawn.round().clamp(min(min_length, seq_len), seq_len).long()
+        lengths = log_normal_lengths(micro_batch_size, median_length, sigma, min(min_length, seq_len), seq_len, g)
     tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len + 1), generator=g)
     positions = torch.arange(seq_len + 1)[None, :]
     tokens = tokens.masked_fill(positions >= lengths[:, None], 0)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from examples.llama8b.model import LLAMA3_8B, LlamaConfig, LlamaLM, padded_tokens
+from examples.llama8b.model import LLAMA3_8B, LlamaConfig, LlamaLM, log_normal_lengths, padded_tokens
 from examples.llama8b.table import GPU, GPUS, GiB, MiB
 from lightning_accum.probe.token_report import percent
 from lightning_accum.probe.token_result import TokenProbeResult
@@ -50,8 +50,7 @@ class Lengths:
 
     def draw(self, count: int, seed: int = 0) -> list[int]:
         g = torch.Generator().manual_seed(seed)
-        drawn = (torch.randn(count, generator=g) * self.sigma).exp() * self.median
-        return [int(n) for n in drawn.round().clamp(self.shortest, self.longest)]
+        return log_normal_lengths(count, self.median, self.sigma, self.shortest, self.longest, g).tolist()
 
 
 def probe_8b(config: LlamaConfig, checkpointing: bool, attention: str, lengths=LENGTHS, sizes=SIZES):
