@@ -51,6 +51,17 @@ def test_every_deal_holds_each_sample_once_and_every_part_one_at_least(method):
     assert all(balancing.partition([1000, 1, 1, 1], 4, method))  # one sample a part, however uneven
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_every_deal_priced_by_the_cut_holds_each_sample_once_and_every_rank_one_at_least(ranks):
+    # Few ranks on purpose: the refinement's last phase once paired the slowest rank with itself and lost samples.
+    cost = balancing.StepCost(micro_batch_tokens=1024, pass_cost_tokens=161.0, quadratic=408.0)
+    for seed in range(40):
+        lengths = bench_lengths(ranks * (2 + seed % 9), seed)
+        deal = balancing.deal(lengths, ranks, cost=cost)
+        assert sorted(i for part in deal for i in part) == list(range(len(lengths))), seed
+        assert all(deal), seed
+
+
 def test_the_deal_is_within_a_few_percent_of_the_best_possible():
     # 10 log-normal lengths on 2 and 3 ranks: the best deal by brute force is the reference.
     ratios = []
@@ -190,6 +201,17 @@ def cut_cost(lengths: list[int], budget: int, pass_cost: float) -> float:
     return sum(pass_cost + len(g) * lengths[order[g.start]] for g in cut.groups(budget))
 
 
+def test_the_cut_is_token_cuts_to_the_micro_batch_ties_included():
+    # Many equal lengths make ties: the plain cut must break them as TokenCut does, or a price is of another cut.
+    rng = random.Random(0)
+    for _ in range(2000):
+        ordered = sorted(rng.choice([1, 2, 3, 5, 8, 16, 16, 32, 64, 100, 128, 512]) for _ in range(rng.randint(1, 20)))
+        ordered.reverse()
+        budget = rng.choice([16, 64, 128, 512, 1024])
+        cut = TokenCut(None, list(range(len(ordered))), ordered, ordered[0], 1)
+        assert balancing.cut_groups(ordered, budget) == [(g.start, g.stop) for g in cut.groups(budget)]
+
+
 def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
     assert balancing.MICRO_BATCH_COST == tokens.MICRO_BATCH_COST
     for seed, budget in itertools.product(range(30), (64, 512, 1024)):
@@ -216,10 +238,11 @@ def test_priced_by_its_passes_the_slowest_rank_is_within_2_percent_of_the_mean_a
 
 
 @pytest.mark.parametrize("ranks", [8, 64, 512])
-def test_with_attentions_quadratic_term_the_slowest_rank_is_about_2_percent_over_the_mean_at_8_a_rank(ranks):
+def test_with_attentions_quadratic_term_the_slowest_rank_is_within_2_percent_of_the_mean_at_8_a_rank(ranks):
     # The benchmark's fitted figures on this machine: a pass 157 tokens, attention's term length**2 / 341 per row.
     # Refined from a deal by tokens (before `greedy_by_price`), this stopped at 1.03 of the mean on 8 ranks, 1.05 on
-    # 64 and 1.11 on 512; now 1.005-1.025.
+    # 64 and 1.11 on 512; from greedy_by_price, at 1.005-1.025 (over 1.02 on 512) before the slowest rank was relieved
+    # one move at a time (1.009-1.023 after).
     cost = balancing.StepCost(micro_batch_tokens=1024, pass_cost_tokens=156.8, quadratic=341.0)
     worst = []
     for step in range(1 if ranks == 512 else 3):
@@ -227,7 +250,7 @@ def test_with_attentions_quadratic_term_the_slowest_rank_is_about_2_percent_over
         deal = balancing.deal(lengths, ranks, cost=cost)
         assert sorted(i for part in deal for i in part) == list(range(len(lengths)))
         worst.append(balancing.imbalance([cost.of([lengths[i] for i in part]) for part in deal]))
-    assert sum(worst) / len(worst) < 1.025 and max(worst) < 1.03, worst
+    assert sum(worst) / len(worst) < 1.02 and max(worst) < 1.025, worst
 
 
 def test_the_sampler_priced_by_its_passes_deals_the_same_global_batches_closer_to_the_mean():
