@@ -10,17 +10,24 @@ its cut costs, with the pass cost fitted on this machine, below); each rank cuts
 (`lightning_accum.split.tokens.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
 the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
 global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
-backward) can be timed apart from the wait at the sync. Each repeat runs both deals, in alternating order. Reported:
+backward) can be timed apart from the wait at the sync. Each repeat runs every deal, in alternating order. Reported:
 the slowest rank's compute time over the mean (median over steps and repeats), the same of the ranks' tokens and of
 their shares' fitted seconds (what the deal by cost balances), samples/s of by cost over at random (median over
 repeats, with the range), the share of a step that is the model's forward and backward, and parity: the largest
 relative difference between the two deals' gradients, and to one full-batch pass.
 
-**The fit.** First, a pass's CPU time is fitted on this machine as ``a + b * padded_tokens + c * rows * length ** 2``
-(least squares over timed passes) and given to the sampler in its units, tokens: ``pass_cost_tokens = a / b`` and
-``quadratic = b / c`` (`lightning_accum.split.balancing.StepCost.of` prices a micro-batch as ``pass_cost_tokens +
-rows * longest + rows * longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured deal by cost
-and the simulated one use these figures.
+**The fit.** First, in both ranks at once (as they then train, each on its own core), a pass's time is fitted as
+``a + b * padded_tokens + c * rows * length ** 2``: least squares on the relative error over the grid of shapes up to
+the budget and the micro-batches of shares cut as the run cuts them (from lengths drawn apart from the run's), each
+the fastest of 7 timed passes; rank 0 fits both ranks' timings and the ranks deal by its fit. It is given to the
+sampler in its units, tokens: ``pass_cost_tokens = a / b`` and ``quadratic = b / c``
+(`lightning_accum.split.balancing.StepCost.of` prices a micro-batch as ``pass_cost_tokens + rows * longest + rows *
+longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured deal by cost and the simulated one use
+these figures. Timed in the main process alone (before), the fit met another machine than the ranks': two processes
+on two cores, and the measured compute balanced to 1.05-1.07.
+
+**The noise floor.** A third run deals each step by cost and gives both ranks the same share (the first): their
+compute times differ by timing noise alone, the floor under what any deal can show on this machine.
 
 **Simulated.** A rank's step is the fit's seconds summed over its micro-batches; the slowest rank's step over the
 mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
@@ -119,18 +126,19 @@ def rank_step(model: CausalLM, samples: list[Tensor], global_tokens: int) -> tup
     return computed - start, time.perf_counter() - computed, flat
 
 
-def _worker(
-    rank: int, port: int, args: argparse.Namespace, out: str, cost: list[float], sampler: dict[str, Any]
-) -> None:
+def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results: dict[str, Any] = {}
+    cost = calibrate(args.quick)
+    sampler = sampler_costs(cost)
+    results: dict[str, Any] = {"pass_cost": cost}
     for per_rank in PER_RANK:
         lengths, data = make_data(per_rank, args.steps)
         deals = {
             "at random": _StrideDeal(lengths, 2 * per_rank),
             "by cost": BalancedBatchSampler(lengths, 2 * per_rank, **sampler),
+            SAME: _SameShare(lengths, 2 * per_rank, **sampler),
         }
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in deals}
         for repeat in range(args.repeats):
@@ -138,12 +146,32 @@ def _worker(
                 runs[name].append(_fit(deals[name], data, rank, cost))
         results[str(per_rank)] = runs
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
     dist.destroy_process_group()
+
+
+SAME = "the same share on both"
+"""Both ranks run the same share (the deal by cost's first): what is left of the compute imbalance is timing noise."""
 
 
 class _StrideDeal(BalancedBatchSampler):
     def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
         return [list(batch[r::num_replicas]) for r in range(num_replicas)]
+
+
+class _SameShare(BalancedBatchSampler):
+    def deal(self, batch: Sequence[int], num_replicas: int) -> list[list[int]]:
+        return [super().deal(batch, num_replicas)[0]] * num_replicas
+
+
+def calibrate(quick: bool) -> list[float]:
+    """The pass-cost fit ``[a, b, c]``, timed in both ranks at once (as they train); rank 0 fits both, and says."""
+    seconds = time_passes(CausalLM(), calibration_shapes(), 3 if quick else 7)
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, seconds)
+    fitted = [fit_pass_costs(calibration_shapes(), [statistics.mean(pair) for pair in zip(*both, strict=True)])]
+    dist.broadcast_object_list(fitted, src=0)
+    return list(fitted[0])
 
 
 def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[float]) -> dict[str, Any]:
@@ -175,14 +203,15 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[f
     }
 
 
-def measured(args: argparse.Namespace, out: str, cost: list[float], sampler: dict[str, Any]) -> dict[str, Any]:
+def measured(args: argparse.Namespace, out: str) -> tuple[dict[str, Any], list[float]]:
+    """The measured table, and the pass-cost fit the ranks agreed on."""
     port = random.Random(os.getpid()).randint(20000, 40000)
-    mp.start_processes(_worker, args=(port, args, out, cost, sampler), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(port, args, out), nprocs=2, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     table = {}
     for per_rank in PER_RANK:
         key, row = str(per_rank), {}
-        for name in ("at random", "by cost"):
+        for name in ("at random", "by cost", SAME):
             runs = [r[key][name] for r in ranks]
             compute = [
                 max(a, b) / ((a + b) / 2)
@@ -227,7 +256,7 @@ def measured(args: argparse.Namespace, out: str, cost: list[float], sampler: dic
             ),
         }
         table[key] = row
-    return table
+    return table, ranks[0]["pass_cost"]
 
 
 def make_data(per_rank: int, steps: int) -> tuple[list[int], list[Tensor]]:
@@ -251,24 +280,40 @@ def full_batch_grads(batches: list[list[int]], data: list[Tensor]) -> list[Tenso
 # ---- simulation ------------------------------------------------------------------------------------------------
 
 
-def fit_pass_costs(quick: bool) -> list[float]:
-    """``[a, b, c]`` of a pass's seconds ``a + b * rows * length + c * rows * length ** 2``, fitted on this machine."""
-    model, rows_x, times = CausalLM(), [], []
-    # Every shape a micro-batch can take at `BUDGET`, up to `MAX_LEN`, in quick mode too (it takes about a second):
-    # fewer shapes leave the small quadratic term to the noise (its b / c came to 276 on 5 shapes, 4000 on 15).
-    shapes = [(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256, 512) if r * n <= BUDGET]
+def calibration_shapes() -> list[tuple[int, int]]:
+    """The ``(rows, length)`` a pass is timed at: every grid shape up to `BUDGET`, and the micro-batches of shares cut
+    as the run cuts them (4 to 8 log-normal sequences, drawn apart from the run's own): the shapes the price meets."""
+    # The grid alone leaves the small quadratic term to the noise where shapes are few (b / c came to 276 on 5
+    # shapes, 4000 on 15); the cut shares' shapes are where the price must be right.
+    shapes = {(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256, 512) if r * n <= BUDGET}
+    lengths = lognormal_lengths(6 * 24, seed=99)
+    for share in range(24):
+        part = lengths[6 * share : 6 * share + 4 + share % 5]
+        shapes.update((len(group), max(part[i] for i in group)) for group in micro_batches(part))
+    return sorted(shapes)
+
+
+def time_passes(model: CausalLM, shapes: Sequence[tuple[int, int]], repeats: int) -> list[float]:
+    """Each shape's pass (forward and backward) seconds: the fastest of ``repeats`` after a warm-up, the least
+    disturbed, on the wall clock the ranks' compute is timed with."""
+    times = []
     for rows, length in shapes:
         ids = torch.randint(1, VOCAB, (rows, length))
         seconds = []
-        for _ in range(3 if quick else 7):  # the first is a warm-up; the fastest of the rest is the least disturbed
-            start = time.process_time()  # CPU seconds: on a loaded machine, wall time counts the other processes
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
             model.token_loss_sum(ids, ids).backward()
-            seconds.append(time.process_time() - start)
+            seconds.append(time.perf_counter() - start)
         times.append(min(seconds[1:]))
-        rows_x.append([1.0, rows * length, rows * length**2])
+    return times
+
+
+def fit_pass_costs(shapes: Sequence[tuple[int, int]], times: Sequence[float]) -> list[float]:
+    """``[a, b, c]`` of a pass's seconds ``a + b * rows * length + c * rows * length ** 2``, fitted to ``times``."""
+    rows_x = [[1.0, rows * length, rows * length**2] for rows, length in shapes]
     # Least squares on the relative error (each row over its time): unweighted, the largest passes' noise decides the
     # fixed cost `a`, and a pass's cost in tokens (a / b) came to 78, 247 and 587 in three fits; weighted, 76 to 173.
-    x, y = torch.tensor(rows_x, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
+    x, y = torch.tensor(rows_x, dtype=torch.float64), torch.tensor(list(times), dtype=torch.float64)
     solution = torch.linalg.lstsq(x / y[:, None], torch.ones_like(y))
     return [max(0.0, float(v)) for v in solution.solution]
 
@@ -333,34 +378,34 @@ def main() -> None:
         args.repeats, args.steps = 2, 1
     import tempfile
 
-    torch.set_num_threads(1)  # the fit times a pass as the ranks run it, on one thread
+    torch.set_num_threads(1)
     clock = time.perf_counter()
-    cost = fit_pass_costs(args.quick)
+    with tempfile.TemporaryDirectory() as out:
+        table, cost = measured(args, out)
+    wall = {"measured": time.perf_counter() - clock}
     sampler = sampler_costs(cost)
-    wall = {"fit": time.perf_counter() - clock}
     q = sampler["quadratic"]
-    print(f"pass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2 (fitted here)")
+    print(
+        f"pass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2"
+        f" (fitted in both ranks at once, on {len(calibration_shapes())} shapes)"
+    )
     print(
         f"sampler (by cost): micro_batch_tokens={sampler['micro_batch_tokens']},"
         f" pass_cost_tokens={sampler['pass_cost_tokens']:.1f} (a / b),"
         f" quadratic={'None' if q is None else f'{q:.0f}'} (b / c)\n"
     )
-    clock = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
-        table = measured(args, out, cost, sampler)
-    wall["measured"] = time.perf_counter() - clock
     print(
         "| per rank | deal | slowest rank's compute / mean | its tokens / mean | its fitted seconds / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for per_rank, row in table.items():
-        for name in ("at random", "by cost"):
+        for name in ("at random", "by cost", SAME):
             f = row[name]
-            speed = (
-                "1.00"
-                if name == "at random"
-                else f"{row['speedup']['median']:.2f}x ({row['speedup']['range'][0]:.2f}-{row['speedup']['range'][1]:.2f})"  # noqa: E501 (a table row)
-            )
+            speed = {
+                "at random": "1.00",
+                "by cost": f"{row['speedup']['median']:.2f}x ({row['speedup']['range'][0]:.2f}-{row['speedup']['range'][1]:.2f})",  # noqa: E501 (a table row)
+                SAME: "(timing noise alone)",
+            }[name]
             print(
                 f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {f['modelled_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
             )

@@ -3,7 +3,8 @@
 Timings are the benchmark's to report (the machine is shared). What is checked is what holds whatever the timing: the
 tables' structure, exactness (the deal by cost gives the random deal's and the full batch's gradient, identical on
 both ranks), that the deal by cost balances the ranks' fitted step cost better than the random deal, and that the
-sampler was given the pass cost fitted on this machine, in its own units.
+sampler was given the pass cost fitted on this machine (in both ranks, agreed), in its own units, and that the noise
+floor's ranks ran the same share.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
         assert row["parity"]["replicas"] == 0
         # The deal by cost balances its shares' cut as priced by the fit (no longer tokens alone).
         assert row["by cost"]["modelled_imbalance"] < row["at random"]["modelled_imbalance"]
+        # The noise floor's ranks run the same share: equal tokens and fitted seconds, whatever their times.
+        floor = row["the same share on both"]
+        assert floor["token_imbalance"] == 1.0 and floor["modelled_imbalance"] == 1.0
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
         assert 1.0 <= row["bound"]["mean"] <= row["by cost"]["mean"] * (1 + 1e-12)  # no deal beats the dearest sample
