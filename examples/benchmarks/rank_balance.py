@@ -19,8 +19,8 @@ relative difference between the two deals' gradients, and to one full-batch pass
 **The fit.** First, in both ranks at once (as they then train, each on its own core), a pass's time is fitted as
 ``a + b * padded_tokens + c * rows * length ** 2``: least squares on the relative error over the grid of shapes up to
 the budget and the micro-batches of shares cut as the run cuts them (from lengths drawn apart from the run's), each
-the fastest of 7 timed passes; rank 0 fits both ranks' timings and the ranks deal by its fit. It is given to the
-sampler in its units, tokens: ``pass_cost_tokens = a / b`` and ``quadratic = b / c``
+the fastest of 7 timed passes, the shapes taking turns; rank 0 fits both ranks' timings and the ranks deal by its
+fit. It is given to the sampler in its units, tokens: ``pass_cost_tokens = a / b`` and ``quadratic = b / c``
 (`lightning_accum.split.balancing.StepCost.of` prices a micro-batch as ``pass_cost_tokens + rows * longest + rows *
 longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured deal by cost and the simulated one use
 these figures. Timed in the main process alone (before), the fit met another machine than the ranks': two processes
@@ -294,18 +294,21 @@ def calibration_shapes() -> list[tuple[int, int]]:
 
 
 def time_passes(model: CausalLM, shapes: Sequence[tuple[int, int]], repeats: int) -> list[float]:
-    """Each shape's pass (forward and backward) seconds: the fastest of ``repeats`` after a warm-up, the least
-    disturbed, on the wall clock the ranks' compute is timed with."""
-    times = []
-    for rows, length in shapes:
-        ids = torch.randint(1, VOCAB, (rows, length))
-        seconds = []
-        for _ in range(repeats + 1):
+    """Each shape's pass (forward and backward) seconds: the fastest of ``repeats`` after a warm-up (the least
+    disturbed), on the wall clock the ranks' compute is timed with.
+
+    The shapes take turns, one pass each a round: where the machine's speed drifts while they are timed, it moves every
+    shape's time alike, not the shapes timed last (timed shape after shape, a pass's fitted cost moved from 132 to 394
+    tokens between two runs minutes apart).
+    """
+    inputs = [torch.randint(1, VOCAB, (rows, length)) for rows, length in shapes]
+    seconds: list[list[float]] = [[] for _ in shapes]
+    for _ in range(repeats + 1):
+        for ids, times in zip(inputs, seconds, strict=True):
             start = time.perf_counter()
             model.token_loss_sum(ids, ids).backward()
-            seconds.append(time.perf_counter() - start)
-        times.append(min(seconds[1:]))
-    return times
+            times.append(time.perf_counter() - start)
+    return [min(times[1:]) for times in seconds]
 
 
 def fit_pass_costs(shapes: Sequence[tuple[int, int]], times: Sequence[float]) -> list[float]:
