@@ -224,9 +224,12 @@ class StepCost:
         """A rank's step cost for a step batch of sequences of ``lengths``."""
         if self.micro_batch_tokens is None:
             return float(sum(sample_costs(lengths, self.quadratic)))
-        ordered = sorted((max(1, int(n)) for n in lengths), reverse=True)
+        return self._of_ordered(sorted((max(1, int(n)) for n in lengths), reverse=True))
+
+    def _of_ordered(self, ordered: Sequence[int]) -> float:
+        # `of` for lengths already at least 1 and longest first, under a budget (the refinement's many prices).
         total = 0.0
-        for start, stop in cut_groups(ordered, int(self.micro_batch_tokens)):
+        for start, stop in cut_groups(ordered, int(self.micro_batch_tokens or 0)):
             rows, longest = stop - start, ordered[start]
             total += self.pass_cost_tokens + rows * longest
             if self.quadratic is not None:
@@ -378,12 +381,14 @@ class _Prices:
 
     def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
         self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
+        self._at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them, normalized once
 
     def __call__(self, part: Sequence[int]) -> float:
-        key = tuple(sorted((self.lengths[i] for i in part), reverse=True))
-        if key not in self._known:
-            self._known[key] = self._cost.of(key)
-        return self._known[key]
+        key = tuple(sorted((self._at_least_one[i] for i in part), reverse=True))
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = self._cost._of_ordered(key)
+        return known
 
 
 def _best_move(
