@@ -166,10 +166,11 @@ class _SameShare(BalancedBatchSampler):
 
 def calibrate(quick: bool) -> list[float]:
     """The pass-cost fit ``[a, b, c]``, timed in both ranks at once (as they train); rank 0 fits both, and says."""
-    seconds = time_passes(CausalLM(), calibration_shapes(), 3 if quick else 7)
+    shapes = calibration_shapes()
+    seconds = time_passes(CausalLM(), shapes, 3 if quick else 7)
     both: list[Any] = [None, None]
     dist.all_gather_object(both, seconds)
-    fitted = [fit_pass_costs(calibration_shapes(), [statistics.mean(pair) for pair in zip(*both, strict=True)])]
+    fitted = [fit_pass_costs(shapes, [statistics.mean(pair) for pair in zip(*both, strict=True)])]
     dist.broadcast_object_list(fitted, src=0)
     return list(fitted[0])
 
