@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_accum.sequences import BalancedBatchSampler
 from lightning_accum.split import balancing, tokens
+from lightning_accum.split.share_prices import share_prices
 from lightning_accum.split.tokens import TokenCut
 from tests.token_models import TokenSequences, pad_right
 
@@ -210,6 +211,27 @@ def test_the_cut_is_token_cuts_to_the_micro_batch_ties_included():
         budget = rng.choice([16, 64, 128, 512, 1024])
         cut = TokenCut(None, list(range(len(ordered))), ordered, ordered[0], 1)
         assert balancing.cut_groups(ordered, budget) == [(g.start, g.stop) for g in cut.groups(budget)]
+
+
+def test_many_shares_priced_at_once_are_step_costs_prices_to_the_bit():
+    # The refinement prices a round's candidates in one batch (share_prices). Every rank must deal alike, so the batch
+    # must give StepCost's floats exactly: ties in the cut, empty shares, 1-token rows, lengths over the budget.
+    rng = random.Random(1)
+    for budget, pass_cost, quadratic in [(1024, 139.0, 332.0), (48, 8.0, None), (8, 10.0, None), (256, 400.5, 100.3)]:
+        cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=pass_cost, quadratic=quadratic)
+        shares = [
+            sorted(rng.choice([1, 1, 2, 16, 16, 64, 100, 300, 600, 2000]) for _ in range(rng.randint(0, 20)))[::-1]
+            for _ in range(3000)
+        ]
+        priced = share_prices(
+            shares,
+            budget=budget,
+            overhead=budget // balancing.MICRO_BATCH_COST,
+            pass_cost_tokens=pass_cost,
+            quadratic=quadratic,
+        )
+        assert priced == [cost.of(share) for share in shares]
+    assert share_prices([], budget=8, overhead=0, pass_cost_tokens=1.0, quadratic=None) == []
 
 
 def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():

@@ -31,11 +31,13 @@ Examples:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
+
+from lightning_accum.split.share_prices import share_prices
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
 METHODS: tuple[Method, ...] = ("best", "karmarkar-karp", "greedy")
@@ -330,20 +332,19 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
         return [sorted(part) for part in deal]
     price = _Prices(lengths, cost)
     shares = [list(part) for part in deal]
-    loads = [price(part) for part in shares]
+    loads = price.many(shares)
     for _ in range(ROUNDS):
         # Pair the ranks over the mean, heaviest first, with the lightest, lightest first: each pair one move a round.
         mean = sum(loads) / len(loads)
         by_load = sorted(range(len(shares)), key=lambda r: (-loads[r], r))
         heavy = [r for r in by_load if loads[r] > CLOSE_ENOUGH * mean]
-        moved = False
-        for slow, light in zip(heavy, reversed(by_load[len(heavy) :]), strict=False):
-            move = _best_move(shares[slow], shares[light], loads[slow], lengths, price)
+        pairs = list(zip(heavy, reversed(by_load[len(heavy) :]), strict=False))
+        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for slow, light in pairs], price)
+        for (slow, light), move in zip(pairs, moves, strict=True):
             if move is not None:
                 shares[slow], shares[light] = move.mine, move.theirs
-                loads[slow], loads[light] = price(move.mine), price(move.theirs)
-                moved = True
-        if not moved:
+                loads[slow], loads[light] = move.prices
+        if not any(moves):
             break
     return _relieve_the_slowest(shares, loads, price)
 
@@ -363,32 +364,68 @@ def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Pr
         slow = order[-1]
         if loads[slow] <= CLOSE_ENOUGH * mean:
             break
+        partners = order[: min(PARTNERS, len(order) - 1)]  # never the slowest itself
+        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for light in partners], price)
         best: tuple[_Move, int] | None = None
-        for light in order[: min(PARTNERS, len(order) - 1)]:  # never the slowest itself
-            move = _best_move(shares[slow], shares[light], loads[slow], price.lengths, price)
+        for move, light in zip(moves, partners, strict=True):
             if move is not None and (best is None or move.after < best[0].after):
                 best = (move, light)
         if best is None:
             break
         move, light = best
         shares[slow], shares[light] = move.mine, move.theirs
-        loads[slow], loads[light] = price(move.mine), price(move.theirs)
+        loads[slow], loads[light] = move.prices
     return [sorted(part) for part in shares]
 
 
 class _Prices:
-    """``cost.of`` of a share (positions into ``lengths``), remembered by its sorted lengths (moves retry them)."""
+    """``cost.of`` of shares (positions into ``lengths``), many at once, remembered by their sorted lengths.
+
+    A round's candidates are priced in one batch (`share_prices`); moves retry shares, so prices are kept.
+    """
 
     def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
         self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
         self._at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them, normalized once
 
     def __call__(self, part: Sequence[int]) -> float:
-        key = tuple(sorted((self._at_least_one[i] for i in part), reverse=True))
-        known = self._known.get(key)
-        if known is None:
-            known = self._known[key] = self._cost._of_ordered(key)
-        return known
+        return self.many([part])[0]
+
+    def key(self, part: Sequence[int]) -> tuple[int, ...]:
+        """What a share's price depends on: its lengths (at least 1 each), longest first."""
+        return tuple(sorted((self._at_least_one[i] for i in part), reverse=True))
+
+    def many(self, parts: Sequence[Sequence[int]]) -> list[float]:
+        return self.of_keys([self.key(part) for part in parts])
+
+    def of_keys(self, keys: Sequence[tuple[int, ...]]) -> list[float]:
+        unknown = list({key: None for key in keys if key not in self._known})
+        if unknown:
+            budget = int(self._cost.micro_batch_tokens or 0)
+            prices = share_prices(
+                unknown,
+                budget=budget,
+                overhead=budget // MICRO_BATCH_COST,
+                pass_cost_tokens=self._cost.pass_cost_tokens,
+                quadratic=self._cost.quadratic,
+            )
+            self._known.update(zip(unknown, prices, strict=True))
+        return [self._known[key] for key in keys]
+
+    def exchanged(self, key: tuple[int, ...], out: int | None, into: int | None) -> tuple[int, ...]:
+        """``key`` with sample ``out``'s length taken out and sample ``into``'s put in, in order.
+
+        A move's price key, without building its share.
+        """
+        rest = list(key)
+        if out is not None:
+            rest.remove(self._at_least_one[out])
+        if into is not None:
+            length, at = self._at_least_one[into], 0
+            while at < len(rest) and rest[at] >= length:
+                at += 1
+            rest.insert(at, length)
+        return tuple(rest)
 
 
 class _Move(NamedTuple):
@@ -397,29 +434,52 @@ class _Move(NamedTuple):
     after: tuple[float, float]
     mine: list[int]
     theirs: list[int]
+    prices: tuple[float, float]
 
 
-def _best_move(
-    mine: list[int], theirs: list[int], peak: float, lengths: Sequence[int], price: Callable[[Sequence[int]], float]
-) -> _Move | None:
-    # The move of one of `mine` to `theirs`, or swap for a shorter one of theirs, that leaves the pair's dearer share
-    # cheapest (then their sum), if it is below `peak`; None if none is.
-    best: _Move | None = None
-    target = (peak - price(theirs)) / 2  # the tokens a move would shift to meet in the middle
-    others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
-    for a in _one_per_length(mine, lengths):
-        # Of the swaps, the ones whose length difference is nearest the target: a few, not every pair.
-        near = sorted(others, key=lambda i: (abs(lengths[a] - lengths[i] - target), i))[:SWAPS]
-        for b in [None, *near]:
-            if (b is None and len(mine) < 2) or (b is not None and lengths[b] >= lengths[a]):
-                continue  # the slow rank keeps a sample; a longer sample in its place cannot make it cheaper
-            left = [i for i in mine if i != a] + ([] if b is None else [b])
-            right = [i for i in theirs if i != b] + [a]
-            left_price, right_price = price(left), price(right)
-            after = (max(left_price, right_price), left_price + right_price)
-            if after[0] < peak * (1 - 1e-12) and (best is None or after < best.after):
-                best = _Move(after, left, right)
-    return best
+_Pair = tuple[list[int], list[int], float, float]
+"""A heavy rank's share and a light one's, and their prices."""
+
+
+def _best_moves(pairs: Sequence[_Pair], price: _Prices) -> list[_Move | None]:
+    """For each pair, the best move between them, or None if no move makes the heavy rank cheaper.
+
+    The move of one of the heavy rank's samples to the light one, or swap for a shorter one of theirs, that leaves the
+    pair's dearer share cheapest (then their sum), if it is below the heavy rank's price. Every pair's candidates are
+    priced in one batch.
+    """
+    lengths = price.lengths
+    candidates: list[tuple[int, int, int | None]] = []  # (pair, the heavy rank's sample, the light rank's or None)
+    keys: list[tuple[int, ...]] = []  # the candidates' heavy shares' keys, then their light shares'
+    light_keys: list[tuple[int, ...]] = []
+    for k, (mine, theirs, peak, their_price) in enumerate(pairs):
+        target = (peak - their_price) / 2  # the tokens a move would shift to meet in the middle
+        others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
+        mine_key, theirs_key = price.key(mine), price.key(theirs)
+        for a in _one_per_length(mine, lengths):
+            # Of the swaps, the ones whose length difference is nearest the target: a few, not every pair.
+            near = sorted(others, key=lambda i: (abs(lengths[a] - lengths[i] - target), i))[:SWAPS]
+            for b in [None, *near]:
+                if (b is None and len(mine) < 2) or (b is not None and lengths[b] >= lengths[a]):
+                    continue  # the slow rank keeps a sample; a longer sample in its place cannot make it cheaper
+                candidates.append((k, a, b))
+                keys.append(price.exchanged(mine_key, a, b))
+                light_keys.append(price.exchanged(theirs_key, b, a))
+    prices = price.of_keys(keys + light_keys)
+    chosen: list[tuple[tuple[float, float], int, int | None, tuple[float, float]] | None] = [None] * len(pairs)
+    for (k, a, b), left_price, right_price in zip(candidates, prices[: len(keys)], prices[len(keys) :], strict=True):
+        after, peak, best = (max(left_price, right_price), left_price + right_price), pairs[k][2], chosen[k]
+        if after[0] < peak * (1 - 1e-12) and (best is None or after < best[0]):
+            chosen[k] = (after, a, b, (left_price, right_price))
+    moves: list[_Move | None] = []
+    for (mine, theirs, _, _), best in zip(pairs, chosen, strict=True):
+        if best is None:
+            moves.append(None)
+            continue
+        after, a, b, pair_prices = best
+        left = [i for i in mine if i != a] + ([] if b is None else [b])
+        moves.append(_Move(after, left, [i for i in theirs if i != b] + [a], pair_prices))
+    return moves
 
 
 def _one_per_length(part: Sequence[int], lengths: Sequence[int]) -> list[int]:
