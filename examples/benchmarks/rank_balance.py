@@ -2,19 +2,21 @@
 
     OMP_NUM_THREADS=1 python examples/benchmarks/rank_balance.py [--repeats 6] [--steps 8] [--quick]
 
-**Measured.** 2 gloo ranks on the CPU, one thread each, train a small causal LM (2 pre-norm transformer blocks) on
-log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank`` sequences is
-dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
+**Measured.** 2 gloo ranks on the CPU, one thread and one core each, train a small causal LM (2 pre-norm transformer
+blocks) on log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank``
+sequences is dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
 (`lightning_accum.sequences.BalancedBatchSampler.deal` with ``micro_batch_tokens=BUDGET``: each rank's share priced as
 its cut costs, with the pass cost fitted on this machine, below); each rank cuts its share as split mode by tokens does
 (`lightning_accum.split.tokens.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
 the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
 global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
-backward) can be timed apart from the wait at the sync. Each repeat runs every deal, in alternating order. Reported:
-the slowest rank's compute time over the mean (median over steps and repeats), the same of the ranks' tokens and of
-their shares' fitted seconds (what the deal by cost balances), samples/s of by cost over at random (median over
-repeats, with the range), the share of a step that is the model's forward and backward, and parity: the largest
-relative difference between the two deals' gradients, and to one full-batch pass.
+backward) can be timed apart from the wait at the sync. Each repeat runs every deal, in alternating order. Reported: the
+slowest rank's compute time over the mean (median over steps and repeats: a step as it ran, what the sync waits for),
+the same of each share's compute time taken as the median of its repeats (the ranks swap shares every other repeat, so
+both cores run both: a core slower than the other through a run moves both shares alike, and what is left is the
+deal's), the same of the ranks' tokens and of their shares' fitted seconds (what the deal by cost balances), samples/s
+of by cost over at random (median over repeats, with the range), the share of a step that is the model's forward and
+backward, and parity: the largest relative difference between the two deals' gradients, and to one full-batch pass.
 
 **The fit.** First, in both ranks at once (as they then train, each on its own core), a pass's time is fitted as
 ``a + b * padded_tokens + c * rows * length ** 2``: least squares on the relative error over the grid of shapes up to
@@ -26,8 +28,12 @@ longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured 
 these figures. Timed in the main process alone (before), the fit met another machine than the ranks': two processes
 on two cores, and the measured compute balanced to 1.05-1.07.
 
-**The noise floor.** A third run deals each step by cost and gives both ranks the same share (the first): their
-compute times differ by timing noise alone, the floor under what any deal can show on this machine.
+**The noise floor.** A third run deals each step by cost and gives both ranks the same share (the first): their compute
+times differ by timing noise alone, the floor under what any deal can show on this machine. Each rank runs on a core of
+its own. On this machine (2 vCPUs) the same share runs 1-6% slower on one core than on the other through a run, and
+which one differs from run to run: a floor of 1.03-1.04 a step, which longer steps do not lower (4 times the step: 1.045
+to 1.036) nor the CPU clock in place of the wall clock. Taken as each share's median on both cores, the floor comes to
+about 1.01.
 
 **Simulated.** A rank's step is the fit's seconds summed over its micro-batches; the slowest rank's step over the
 mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
@@ -129,6 +135,7 @@ def rank_step(model: CausalLM, samples: list[Tensor], global_tokens: int) -> tup
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_to_a_core(rank)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cost = calibrate(args.quick)
     sampler = sampler_costs(cost)
@@ -143,7 +150,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in deals}
         for repeat in range(args.repeats):
             for name in list(deals)[:: 1 if repeat % 2 else -1]:
-                runs[name].append(_fit(deals[name], data, rank, cost))
+                runs[name].append(_fit(deals[name], data, rank, cost, swap=repeat % 2 == 1))
         results[str(per_rank)] = runs
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
@@ -175,14 +182,22 @@ def calibrate(quick: bool) -> list[float]:
     return list(fitted[0])
 
 
-def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[float]) -> dict[str, Any]:
+def pin_to_a_core(rank: int) -> None:
+    """This rank's process on a core of its own, where the machine has one for each rank (else as it was)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, {cores[rank]})
+
+
+def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[float], swap: bool) -> dict[str, Any]:
+    # ``swap``: the ranks run each other's share (the same update), so that each share's time is taken on both cores.
     model = CausalLM()
     batches = deal.global_batches(0)
     compute, sync, tokens, modelled, grads = [], [], [], [], []
     dist.barrier()
     start = time.perf_counter()
     for step, batch in enumerate(batches):
-        mine = deal.deal(batch, 2)[rank]
+        mine = deal.deal(batch, 2)[rank ^ swap]
         c, s, flat = rank_step(model, [data[i] for i in mine], sum(len(data[i]) for i in batch) - len(batch))
         if step == 0:  # warm-up
             dist.barrier()
@@ -197,6 +212,7 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[f
         "sync": sync,
         "tokens": tokens,
         "modelled": modelled,
+        "share": rank ^ swap,
         "seconds": time.perf_counter() - start,
         "samples": sum(len(b) for b in batches[1:]),
         "grads": grads,
@@ -230,6 +246,7 @@ def measured(args: argparse.Namespace, out: str) -> tuple[dict[str, Any], list[f
             step = [sum(r["compute"]) + sum(r["sync"]) for r in runs[0]]
             row[name] = {
                 "compute_imbalance": statistics.median(compute),
+                "share_compute_imbalance": share_compute_imbalance(runs),
                 "token_imbalance": statistics.median(tokens),
                 "modelled_imbalance": statistics.median(modelled),
                 "samples_per_s": [
@@ -258,6 +275,24 @@ def measured(args: argparse.Namespace, out: str) -> tuple[dict[str, Any], list[f
         }
         table[key] = row
     return table, ranks[0]["pass_cost"]
+
+
+def share_compute_imbalance(runs: list[list[dict[str, Any]]]) -> float:
+    """The slowest share's compute time over the mean, each share's time the median of its repeats (on both cores).
+
+    The ranks swap shares every other repeat, so a core that runs slower than the other through a run (by 1-6% on this
+    machine, which differs from run to run) moves both shares' medians alike: what is left is the deal's imbalance.
+    Median over steps.
+    """
+    steps = len(runs[0][0]["compute"])
+    per_step = []
+    for step in range(steps):
+        medians = [
+            statistics.median(run["compute"][step] for rank_runs in runs for run in rank_runs if run["share"] == share)
+            for share in (0, 1)
+        ]
+        per_step.append(max(medians) / statistics.mean(medians))
+    return statistics.median(per_step)
 
 
 def make_data(per_rank: int, steps: int) -> tuple[list[int], list[Tensor]]:
@@ -399,9 +434,9 @@ def main() -> None:
         f" quadratic={'None' if q is None else f'{q:.0f}'} (b / c)\n"
     )
     print(
-        "| per rank | deal | slowest rank's compute / mean | its tokens / mean | its fitted seconds / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
+        "| per rank | deal | slowest rank's compute / mean, a step as it ran | the slowest share's, its repeats' median on both cores | its tokens / mean | its fitted seconds / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
     )
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for per_rank, row in table.items():
         for name in ("at random", "by cost", SAME):
             f = row[name]
@@ -411,7 +446,7 @@ def main() -> None:
                 SAME: "(timing noise alone)",
             }[name]
             print(
-                f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {f['modelled_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
+                f"| {per_rank} | {name} | {f['compute_imbalance']:.3f} | {f['share_compute_imbalance']:.3f} | {f['token_imbalance']:.3f} | {f['modelled_imbalance']:.3f} | {speed} | {f['compute_share']:.0%} |"  # noqa: E501 (a table row)
             )
         p = row["parity"]
         print(
