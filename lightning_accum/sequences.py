@@ -49,6 +49,7 @@ from lightning_accum.split.balanced_sampler import (
     BalancedBatchSampler as BalancedBatchSampler,  # next to PaddedSequences
 )
 from lightning_accum.split.masks import mask_lengths, real_positions
+from lightning_accum.split.pass_timing import measure_step_cost as measure_step_cost  # what BalancedBatchSampler prices
 from lightning_accum.split.tokens import TokenCut
 from lightning_accum.splitting import (
     BatchHooks,

@@ -27,7 +27,7 @@ PUBLIC_PATHS = {
     "lightning_accum.schedules": ["AdaptiveBatchSize", "BatchSizeRamp", "StepwiseSchedule"],
     "lightning_accum.manual": ["ManualAccumulation"],
     "lightning_accum.fabric": ["FabricAccumulation", "FabricMicroBatching"],
-    "lightning_accum.sequences": ["PaddedSequences", "BalancedBatchSampler"],
+    "lightning_accum.sequences": ["PaddedSequences", "BalancedBatchSampler", "measure_step_cost"],
     "lightning_accum.probe": ["probe_memory", "probe_tokens", "findings", "table", "write_outputs"],
     "lightning_accum.memory": ["is_oom_error"],
     "lightning_accum.memory.oom": ["OOMInjector", "OOMFault"],

@@ -18,15 +18,15 @@ deal's), the same of the ranks' tokens and of their shares' fitted seconds (what
 of by cost over at random (median over repeats, with the range), the share of a step that is the model's forward and
 backward, and parity: the largest relative difference between the two deals' gradients, and to one full-batch pass.
 
-**The fit.** First, in both ranks at once (as they then train, each on its own core), a pass's time is fitted as
-``a + b * padded_tokens + c * rows * length ** 2``: least squares on the relative error over the grid of shapes up to
-the budget and the micro-batches of shares cut as the run cuts them (from lengths drawn apart from the run's), each
-the fastest of 7 timed passes, the shapes taking turns; rank 0 fits both ranks' timings and the ranks deal by its
-fit. It is given to the sampler in its units, tokens: ``pass_cost_tokens = a / b`` and ``quadratic = b / c``
-(`lightning_accum.split.balancing.StepCost.of` prices a micro-batch as ``pass_cost_tokens + rows * longest + rows *
-longest ** 2 / quadratic`` tokens, the fit divided by ``b``). Both the measured deal by cost and the simulated one use
-these figures. Timed in the main process alone (before), the fit met another machine than the ranks': two processes
-on two cores, and the measured compute balanced to 1.05-1.07.
+**The fit.** First, in both ranks at once (as they then train, each on its own core),
+`lightning_accum.sequences.measure_step_cost` times a pass on the shapes the cut makes (a grid up to the budget, and the
+micro-batches of shares drawn from log-normal lengths apart from the run's), each the fastest of 7 passes, the shapes
+taking turns, and fits a pass's time as ``a + b * padded_tokens + c * rows * length ** 2`` (least squares on the
+relative error); every rank takes rank 0's fit of both ranks' mean times. In the sampler's units, tokens:
+``pass_cost_tokens = a / b`` and ``quadratic = b / c`` (`lightning_accum.split.balancing.StepCost.of` prices a
+micro-batch as ``pass_cost_tokens + rows * longest + rows * longest ** 2 / quadratic`` tokens). Both the measured deal
+by cost and the simulated one use these figures. Timed in the main process alone (before), the fit met another machine
+than the ranks': two processes on two cores, and the measured compute balanced to 1.05-1.07.
 
 **The noise floor.** A third run deals each step by cost and gives both ranks the same share (the first): their compute
 times differ by timing noise alone, the floor under what any deal can show on this machine. Each rank runs on a core of
@@ -35,8 +35,8 @@ which one differs from run to run: a floor of 1.03-1.04 a step, which longer ste
 to 1.036) nor the CPU clock in place of the wall clock. Taken as each share's median on both cores, the floor comes to
 about 1.01.
 
-**Simulated.** A rank's step is the fit's seconds summed over its micro-batches; the slowest rank's step over the
-mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
+**Simulated.** A rank's step is its share priced by the fit (`StepCost.of`, the fit's seconds in tokens); the slowest
+rank's step over the mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
 
 Timings on a shared machine are noisy: read the ratios. The last line is ``RESULT`` and the results as JSON.
 """
@@ -61,6 +61,8 @@ from torch.nn import functional as F
 
 from lightning_accum.sequences import BalancedBatchSampler
 from lightning_accum.split import balancing
+from lightning_accum.split.balancing import StepCost
+from lightning_accum.split.pass_timing import measure_step_cost, pass_shapes
 from lightning_accum.split.tokens import TokenCut
 
 VOCAB, DIM, HEADS, MAX_LEN = 256, 64, 4, 512
@@ -138,7 +140,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     pin_to_a_core(rank)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cost = calibrate(args.quick)
-    sampler = sampler_costs(cost)
+    sampler = sampler_kwargs(cost)
     results: dict[str, Any] = {"pass_cost": cost}
     for per_rank in PER_RANK:
         lengths, data = make_data(per_rank, args.steps)
@@ -171,15 +173,16 @@ class _SameShare(BalancedBatchSampler):
         return [super().deal(batch, num_replicas)[0]] * num_replicas
 
 
-def calibrate(quick: bool) -> list[float]:
-    """The pass-cost fit ``[a, b, c]``, timed in both ranks at once (as they train); rank 0 fits both, and says."""
-    shapes = calibration_shapes()
-    seconds = time_passes(CausalLM(), shapes, 3 if quick else 7)
-    both: list[Any] = [None, None]
-    dist.all_gather_object(both, seconds)
-    fitted = [fit_pass_costs(shapes, [statistics.mean(pair) for pair in zip(*both, strict=True)])]
-    dist.broadcast_object_list(fitted, src=0)
-    return list(fitted[0])
+def calibrate(quick: bool) -> StepCost:
+    """The pass cost, timed in both ranks at once (as they train): `measure_step_cost` agrees on rank 0's fit."""
+    model, inputs = CausalLM(), dict[tuple[int, int], Tensor]()
+
+    def run_pass(rows: int, length: int) -> None:
+        ids = inputs.setdefault((rows, length), torch.randint(1, VOCAB, (rows, length)))  # made at the warm-up pass
+        model.token_loss_sum(ids, ids).backward()
+
+    calibration = lognormal_lengths(400, seed=99)  # drawn apart from the run's own lengths
+    return measure_step_cost(run_pass, calibration, BUDGET, per_rank=8, repeats=3 if quick else 7)
 
 
 def pin_to_a_core(rank: int) -> None:
@@ -189,7 +192,7 @@ def pin_to_a_core(rank: int) -> None:
         os.sched_setaffinity(0, {cores[rank]})
 
 
-def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[float], swap: bool) -> dict[str, Any]:
+def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: StepCost, swap: bool) -> dict[str, Any]:
     # ``swap``: the ranks run each other's share (the same update), so that each share's time is taken on both cores.
     model = CausalLM()
     batches = deal.global_batches(0)
@@ -204,7 +207,7 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[f
             start = time.perf_counter()
             continue
         compute.append(c), sync.append(s), tokens.append(sum(len(data[i]) for i in mine))
-        modelled.append(simulated_step([len(data[i]) for i in mine], cost))  # the fit's seconds for this share
+        modelled.append(cost.of([len(data[i]) for i in mine]))  # the fit's price of this share
         if len(grads) < 2:
             grads.append(flat)
     return {
@@ -220,8 +223,8 @@ def _fit(deal: BalancedBatchSampler, data: list[Tensor], rank: int, cost: list[f
     }
 
 
-def measured(args: argparse.Namespace, out: str) -> tuple[dict[str, Any], list[float]]:
-    """The measured table, and the pass-cost fit the ranks agreed on."""
+def measured(args: argparse.Namespace, out: str) -> tuple[dict[str, Any], StepCost]:
+    """The measured table, and the step cost the ranks agreed on."""
     port = random.Random(os.getpid()).randint(20000, 40000)
     mp.start_processes(_worker, args=(port, args, out), nprocs=2, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
@@ -316,73 +319,16 @@ def full_batch_grads(batches: list[list[int]], data: list[Tensor]) -> list[Tenso
 # ---- simulation ------------------------------------------------------------------------------------------------
 
 
-def calibration_shapes() -> list[tuple[int, int]]:
-    """The ``(rows, length)`` a pass is timed at: every grid shape up to `BUDGET`, and the micro-batches of shares cut
-    as the run cuts them (4 to 8 log-normal sequences, drawn apart from the run's own): the shapes the price meets."""
-    # The grid alone leaves the small quadratic term to the noise where shapes are few (b / c came to 276 on 5
-    # shapes, 4000 on 15); the cut shares' shapes are where the price must be right.
-    shapes = {(r, n) for r in (1, 2, 4, 8) for n in (16, 64, 128, 256, 512) if r * n <= BUDGET}
-    lengths = lognormal_lengths(6 * 24, seed=99)
-    for share in range(24):
-        part = lengths[6 * share : 6 * share + 4 + share % 5]
-        shapes.update((len(group), max(part[i] for i in group)) for group in micro_batches(part))
-    return sorted(shapes)
+def sampler_kwargs(cost: StepCost) -> dict[str, Any]:
+    """The fitted step cost as `BalancedBatchSampler`'s keywords."""
+    return {
+        "micro_batch_tokens": cost.micro_batch_tokens,
+        "pass_cost_tokens": cost.pass_cost_tokens,
+        "quadratic": cost.quadratic,
+    }
 
 
-def time_passes(model: CausalLM, shapes: Sequence[tuple[int, int]], repeats: int) -> list[float]:
-    """Each shape's pass (forward and backward) seconds: the fastest of ``repeats`` after a warm-up (the least
-    disturbed), on the wall clock the ranks' compute is timed with.
-
-    The shapes take turns, one pass each a round: where the machine's speed drifts while they are timed, it moves every
-    shape's time alike, not the shapes timed last (timed shape after shape, a pass's fitted cost moved from 132 to 394
-    tokens between two runs minutes apart).
-    """
-    inputs = [torch.randint(1, VOCAB, (rows, length)) for rows, length in shapes]
-    seconds: list[list[float]] = [[] for _ in shapes]
-    for _ in range(repeats + 1):
-        for ids, times in zip(inputs, seconds, strict=True):
-            start = time.perf_counter()
-            model.token_loss_sum(ids, ids).backward()
-            times.append(time.perf_counter() - start)
-    return [min(times[1:]) for times in seconds]
-
-
-def fit_pass_costs(shapes: Sequence[tuple[int, int]], times: Sequence[float]) -> list[float]:
-    """``[a, b, c]`` of a pass's seconds ``a + b * rows * length + c * rows * length ** 2``, fitted to ``times``."""
-    rows_x = [[1.0, rows * length, rows * length**2] for rows, length in shapes]
-    # Least squares on the relative error (each row over its time): unweighted, the largest passes' noise decides the
-    # fixed cost `a`, and a pass's cost in tokens (a / b) came to 78, 247 and 587 in three fits; weighted, 76 to 173.
-    x, y = torch.tensor(rows_x, dtype=torch.float64), torch.tensor(list(times), dtype=torch.float64)
-    solution = torch.linalg.lstsq(x / y[:, None], torch.ones_like(y))
-    return [max(0.0, float(v)) for v in solution.solution]
-
-
-def sampler_costs(cost: Sequence[float]) -> dict[str, Any]:
-    """The fit ``[a, b, c]`` as `BalancedBatchSampler`'s keywords, in its units (tokens).
-
-    ``micro_batch_tokens`` is the cut's `BUDGET`, ``pass_cost_tokens`` is ``a / b``, ``quadratic`` is ``b / c``.
-
-    `StepCost.of` prices a micro-batch as ``pass_cost_tokens + rows * longest + rows * longest ** 2 / quadratic``
-    tokens: the fit's seconds over ``b``. A quadratic term fitted to 0 is ``quadratic=None`` (none).
-    """
-    a, b, c = cost
-    if b <= 0:
-        raise RuntimeError(
-            f"The pass-cost fit gave no cost per token (b={b:g}): the timings were too noisy; run again."
-        )
-    return {"micro_batch_tokens": BUDGET, "pass_cost_tokens": a / b, "quadratic": b / c if c > 0 else None}
-
-
-def simulated_step(lengths: Sequence[int], cost: Sequence[float]) -> float:
-    a, b, c = cost
-    total = 0.0
-    for group in micro_batches(lengths):
-        rows, longest = len(group), max(lengths[i] for i in group)
-        total += a + b * rows * longest + c * rows * longest**2
-    return total
-
-
-def simulate(cost: list[float], sampler_kwargs: dict[str, Any], quick: bool) -> dict[str, dict[str, dict[str, float]]]:
+def simulate(cost: StepCost, quick: bool) -> dict[str, dict[str, dict[str, float]]]:
     table: dict[str, dict[str, dict[str, float]]] = {}
     for ranks in SIM_RANKS[:2] if quick else SIM_RANKS:
         for per_rank in SIM_PER_RANK[:2] if quick else SIM_PER_RANK:
@@ -391,16 +337,18 @@ def simulate(cost: list[float], sampler_kwargs: dict[str, Any], quick: bool) -> 
             for step in range(steps):
                 lengths = lognormal_lengths(ranks * per_rank, seed=1000 + step)
                 batch = list(range(len(lengths)))
-                sampler = BalancedBatchSampler(lengths, len(lengths), num_replicas=ranks, rank=0, **sampler_kwargs)
+                sampler = BalancedBatchSampler(
+                    lengths, len(lengths), num_replicas=ranks, rank=0, **sampler_kwargs(cost)
+                )
                 for name, deal in (
                     ("at random", _StrideDeal.deal(sampler, batch, ranks)),
                     ("by cost", sampler.deal(batch, ranks)),
                 ):
-                    steps_s = [simulated_step([lengths[i] for i in part], cost) for part in deal]
+                    steps_s = [cost.of([lengths[i] for i in part]) for part in deal]
                     figures[name].append(balancing.imbalance(steps_s))
                 # No deal does better than the dearest sample alone on one rank, nor than the mean.
                 mean = statistics.mean(steps_s)
-                figures["bound"].append(max(mean, max(simulated_step([n], cost) for n in lengths)) / mean)
+                figures["bound"].append(max(mean, max(cost.of([n]) for n in lengths)) / mean)
             table[f"{ranks} x {per_rank}"] = {
                 name: {"mean": statistics.mean(v), "max": max(v)} for name, v in figures.items()
             }
@@ -422,19 +370,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         table, cost = measured(args, out)
     wall = {"measured": time.perf_counter() - clock}
-    sampler = sampler_costs(cost)
+    sampler = sampler_kwargs(cost)
     q = sampler["quadratic"]
-    print(
-        f"pass seconds = {cost[0]:.2e} + {cost[1]:.2e} x tokens + {cost[2]:.2e} x rows x length^2"
-        f" (fitted in both ranks at once, on {len(calibration_shapes())} shapes)"
-    )
+    shapes = len(pass_shapes(lognormal_lengths(400, seed=99), BUDGET, per_rank=8))
     print(
         f"sampler (by cost): micro_batch_tokens={sampler['micro_batch_tokens']},"
-        f" pass_cost_tokens={sampler['pass_cost_tokens']:.1f} (a / b),"
-        f" quadratic={'None' if q is None else f'{q:.0f}'} (b / c)\n"
+        f" pass_cost_tokens={sampler['pass_cost_tokens']:.1f}, quadratic={'None' if q is None else f'{q:.0f}'}"
+        f" (measure_step_cost in both ranks at once, on {shapes} shapes)\n"
     )
     print(
-        "| per rank | deal | slowest rank's compute / mean, a step as it ran | the slowest share's, its repeats' median on both cores | its tokens / mean | its fitted seconds / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
+        "| per rank | deal | slowest rank's compute / mean, a step as it ran | the slowest share's, its repeats' median on both cores | its tokens / mean | its priced step / mean | samples/s vs at random (range) | forward+backward share |"  # noqa: E501 (a table row)
     )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for per_rank, row in table.items():
@@ -453,7 +398,7 @@ def main() -> None:
             f"parity at {per_rank} per rank: by cost vs at random {p['by_cost_vs_random']:.1e}, vs one full-batch pass {p['by_cost_vs_full_batch']:.1e}, replicas {p['replicas']:.1e}; 0 OOMs (none can occur: CPU)"  # noqa: E501 (a table row)
         )
     clock = time.perf_counter()
-    sim = simulate(cost, sampler, args.quick)
+    sim = simulate(cost, args.quick)
     wall["simulated"] = time.perf_counter() - clock
     print(
         "\n| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) | best any deal can do: the dearest sample alone / mean (worst) |"  # noqa: E501 (a table row)
@@ -471,7 +416,7 @@ def main() -> None:
                     k: {n: (v if n in ("speedup", "parity") else {m: x for m, x in v.items()}) for n, v in row.items()}
                     for k, row in table.items()
                 },
-                "pass_cost": cost,
+                "pass_cost": sampler,
                 "sampler": sampler,
                 "simulated": sim,
                 "wall_s": wall,

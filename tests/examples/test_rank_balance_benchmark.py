@@ -3,7 +3,7 @@
 Timings are the benchmark's to report (the machine is shared). What is checked is what holds whatever the timing: the
 tables' structure, exactness (the deal by cost gives the random deal's and the full batch's gradient, identical on
 both ranks), that the deal by cost balances the ranks' fitted step cost better than the random deal, and that the
-sampler was given the pass cost fitted on this machine (in both ranks, agreed), in its own units, and that the noise
+sampler was given the step cost `measure_step_cost` fitted on this machine (in both ranks, agreed), and that the noise
 floor's ranks ran the same share.
 """
 
@@ -19,13 +19,12 @@ from lightning_accum.split import balancing
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(900)]
 
 
-def fitted_seconds(lengths: list[int], budget: int, cost: list[float]) -> float:
-    # The reference: the fit's own formula, summed over the cut split by tokens makes (longest first, at `budget`).
-    a, b, c = cost
-    ordered = sorted(lengths, reverse=True)
+def priced(lengths: list[int], cost: balancing.StepCost) -> float:
+    # The reference: the price's own formula, summed over the cut split by tokens makes (longest first, at the budget).
+    ordered, q = sorted(lengths, reverse=True), cost.quadratic
     return sum(
-        a + b * (stop - start) * ordered[start] + c * (stop - start) * ordered[start] ** 2
-        for start, stop in balancing.cut_groups(ordered, budget)
+        cost.pass_cost_tokens + (stop - start) * ordered[start] + ((stop - start) * ordered[start] ** 2 / q if q else 0)
+        for start, stop in balancing.cut_groups(ordered, int(cost.micro_batch_tokens or 0))
     )
 
 
@@ -47,16 +46,16 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
         assert 1.0 <= row["bound"]["mean"] <= row["by cost"]["mean"] * (1 + 1e-12)  # no deal beats the dearest sample
     assert out.count("| per rank | deal |") == 1 and out.count("| ranks x per rank |") == 1
 
-    # The sampler deals by the cut at the benchmark's budget, with the pass cost fitted on this machine.
-    sampler, cost = result["sampler"], result["pass_cost"]
+    # The sampler deals by the cut at the benchmark's budget, with the step cost measure_step_cost fitted on this
+    # machine in both ranks (agreed: the ranks' deals are one).
+    sampler = result["sampler"]
+    assert result["pass_cost"] == sampler
     assert set(sampler) == {"micro_batch_tokens", "pass_cost_tokens", "quadratic"}
-    assert "sampler (by cost): micro_batch_tokens=" in out
+    assert "sampler (by cost): micro_batch_tokens=1024" in out
     assert sampler["micro_batch_tokens"] == 1024  # the benchmark's BUDGET, which its own cut uses
-    assert math.isfinite(sampler["pass_cost_tokens"]) and sampler["pass_cost_tokens"] > 0
-    # None only where the fit found no quadratic term (c fitted to 0).
-    assert (sampler["quadratic"] is None) == (cost[2] == 0)
+    assert math.isfinite(sampler["pass_cost_tokens"]) and sampler["pass_cost_tokens"] >= 0
     assert sampler["quadratic"] is None or (math.isfinite(sampler["quadratic"]) and sampler["quadratic"] > 0)
-    # In the sampler's units: its price of a share, times the fit's seconds per token, is the fit's seconds.
+    # The simulation prices a rank's share as the sampler does: by its cut at the budget (TokenCut's), here in tokens.
     step = balancing.StepCost(sampler["micro_batch_tokens"], sampler["pass_cost_tokens"], sampler["quadratic"])
     for lengths in ([512], [300, 200, 40, 8], [64] * 20, [500, 480, 100, 90, 30, 30, 12, 9]):
-        assert step.of(lengths) * cost[1] == pytest.approx(fitted_seconds(lengths, 1024, cost), rel=1e-9)
+        assert step.of(lengths) == pytest.approx(priced(lengths, step), rel=1e-12)
