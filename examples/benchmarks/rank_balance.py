@@ -1,6 +1,6 @@
 """Ranks dealt by cost (`BalancedBatchSampler`) against dealt at random: measured on 2 CPU ranks, simulated to 512.
 
-    OMP_NUM_THREADS=1 python examples/benchmarks/rank_balance.py [--repeats 6] [--steps 8] [--quick]
+    OMP_NUM_THREADS=1 python examples/benchmarks/rank_balance.py [--repeats 6] [--steps 12] [--quick]
 
 **Measured.** 2 gloo ranks on the CPU, one thread and one core each, train a small causal LM (2 pre-norm transformer
 blocks) on log-normal lengths (median 64, 8 to 512 tokens). Every step, the same global batch of ``2 x per_rank``
@@ -358,7 +358,7 @@ def simulate(cost: StepCost, quick: bool) -> dict[str, dict[str, dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="2 repeats of 2 steps, a smaller simulation")
     args = parser.parse_args()
     if args.quick:
