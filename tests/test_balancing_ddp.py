@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from lightning_accum.cli.report import load_series
 from lightning_accum.memory.oom import OOMFault
 from lightning_accum.sequences import BalancedBatchSampler
 from lightning_accum.split import balancing
+from lightning_accum.split.balanced_sampler import ranks_deal_apart as balancing_agreement
 from lightning_accum.split.balancing import PASS_COST_TOKENS
 from tests.test_ddp import load_ranks
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
@@ -176,3 +178,41 @@ def test_a_run_resumed_mid_epoch_trains_on_the_step_batches_of_the_uninterrupted
     (checkpoint,) = [p for p in os.listdir(tmp_path / "ckpt") if "step=11" in p]  # epoch 1, its step batch 3
     resumed = single_run(tmp_path / "resumed", [BalancedSamplerState()], ckpt_path=tmp_path / "ckpt" / checkpoint)
     assert resumed.step_indices == whole[11:]
+
+
+class RankDependentSampler(TinyCausalLM):
+    """Builds its train DataLoader in each rank, with a pass cost that differs by rank (each rank measured its own)."""
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = BalancedBatchSampler(
+            LENGTHS, GLOBAL, seed=1, micro_batch_tokens=BUDGET, pass_cost_tokens=100.0 + 0.5 * self.global_rank
+        )
+        return DataLoader(TokenSequences(LENGTHS, seed=3), batch_sampler=sampler, collate_fn=pad_right)
+
+
+def test_ranks_whose_samplers_would_deal_apart_are_refused_on_every_rank_before_a_step(tmp_path):
+    # Dealt by rank 0's pass cost on rank 0 and rank 1's on rank 1, a step could lose a sample or train on one twice.
+    # Every rank gathers every rank's settings and raises alike: no rank is left waiting.
+    callbacks = [pinned_token_callback([]), MarkSteps(str(tmp_path))]
+    trainer = h.make_trainer(tmp_path, callbacks, strategy=h.ddp_strategy(), devices=2)
+    with pytest.raises(Exception, match=r"`pass_cost_tokens` is 100.0 on rank 0 and 100.5 on rank 1"):
+        trainer.fit(RankDependentSampler(lr=LR))
+    assert list(tmp_path.glob("step-*")) == []  # refused at the start of training, before any step
+
+
+class MarkSteps(pl.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        open(os.path.join(self.out_dir, f"step-{trainer.global_rank}-{batch_idx}"), "w").close()
+
+
+def test_what_differs_between_the_ranks_samplers_is_named():
+    settings = BalancedBatchSampler(LENGTHS, GLOBAL, micro_batch_tokens=BUDGET).deal_settings()
+    assert balancing_agreement([[settings], [dict(settings)]]) is None
+    other = BalancedBatchSampler([*LENGTHS[:-1], LENGTHS[-1] + 1], GLOBAL, micro_batch_tokens=BUDGET).deal_settings()
+    message = balancing_agreement([[settings], [settings], [other]])
+    assert message is not None and "`lengths` is '32 lengths, sha256" in message and "on rank 2" in message
+    assert "Rank 0 has 1 `BalancedBatchSampler`" in str(balancing_agreement([[settings], []]))
+    assert balancing_agreement([[], []]) is None  # no sampler on any rank: nothing to agree on

@@ -35,6 +35,7 @@ from lightning_accum.front_ends._split_checks import (
     ACCUMULATE_GRAD_BATCHES_CHANGED,
     GRADIENT_ACCUMULATION_SCHEDULER,
     SAMPLE_COUNT_BY_TOKENS,
+    refuse_ranks_that_deal_apart,
     refuse_what_split_mode_cannot_run,
     warn_about_batch_norm,
     warn_about_overlap_waits,
@@ -230,6 +231,7 @@ class AutoMicroBatching(AccumulationOwner):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refuse_ranks_that_deal_apart(trainer)
         self._backend = backend = backend_for(trainer.strategy.root_device)
         capacity = backend.capacity_bytes()
         budget = budget_bytes(self.max_memory, capacity)

@@ -29,7 +29,7 @@ class BalancedSamplerState(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        samplers = _balanced_samplers(trainer.train_dataloader)
+        samplers = balanced_samplers(trainer.train_dataloader)
         if not samplers:
             raise RuntimeError(
                 "`BalancedSamplerState` found no `BalancedBatchSampler` in the train DataLoader. Pass"
@@ -65,11 +65,11 @@ class BalancedSamplerState(pl.Callback):
         self._pending = (int(state_dict["epoch"]), int(state_dict["consumed"]))
 
 
-def _balanced_samplers(loaders: Any) -> list[BalancedBatchSampler]:
+def balanced_samplers(loaders: Any) -> list[BalancedBatchSampler]:
     """The `BalancedBatchSampler` of every DataLoader in ``loaders`` (one, or a list or dict of them)."""
     if isinstance(loaders, dict):
-        return [s for loader in loaders.values() for s in _balanced_samplers(loader)]
+        return [s for loader in loaders.values() for s in balanced_samplers(loader)]
     if isinstance(loaders, (list, tuple)):
-        return [s for loader in loaders for s in _balanced_samplers(loader)]
+        return [s for loader in loaders for s in balanced_samplers(loader)]
     sampler = getattr(loaders, "batch_sampler", None)
     return [sampler] if isinstance(sampler, BalancedBatchSampler) else []

@@ -5,7 +5,9 @@ See `lightning_accum.split.balancing` for the arithmetic; this module is the ``t
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -169,6 +171,23 @@ class BalancedBatchSampler(Sampler[list[int]]):
             parts = balancing.partition([self.costs[i] for i in batch], num_replicas, self.method)
         return [[batch[p] for p in part] for part in parts]
 
+    def deal_settings(self) -> dict[str, Any]:
+        """What every rank's deal depends on, which must be the same on every rank (`ranks_deal_apart` compares them).
+
+        The lengths as their count and a digest. The world size and the epoch are Lightning's, the same on every rank.
+        """
+        digest = hashlib.sha256(array("q", self.lengths).tobytes()).hexdigest()[:16]
+        return {
+            "lengths": f"{len(self.lengths)} lengths, sha256 {digest}",
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "method": self.method,
+            "quadratic": self.quadratic,
+            "micro_batch_tokens": self.step_cost.micro_batch_tokens,
+            "pass_cost_tokens": self.step_cost.pass_cost_tokens,
+        }
+
     def resume(self, epoch: int, consumed: int) -> None:
         """Start epoch ``epoch`` at its step batch ``consumed`` the next time it is drawn (a mid-epoch resume)."""
         self._resume = (int(epoch), int(consumed))
@@ -220,3 +239,32 @@ def _read_lengths(lengths: Any, dataset: Any) -> list[int]:
     if any(n < 0 for n in values):
         raise ValueError(f"`lengths` must be non-negative, got {min(values)} at position {values.index(min(values))}.")
     return values
+
+
+def ranks_deal_apart(every_rank: Sequence[Sequence[dict[str, Any]]]) -> str | None:
+    """The error to raise where the ranks' `BalancedBatchSampler` settings differ; ``None`` if every rank deals alike.
+
+    ``every_rank`` holds each rank's samplers' `BalancedBatchSampler.deal_settings`, by rank.
+
+    Example:
+        >>> one = {"seed": 0, "pass_cost_tokens": 112.0}
+        >>> ranks_deal_apart([[one], [dict(one, pass_cost_tokens=150.5)]]).split(":")[0]
+        "The ranks' `BalancedBatchSampler`s would deal apart"
+    """
+    first = every_rank[0]
+    for rank, settings in enumerate(every_rank[1:], start=1):
+        if len(settings) != len(first):
+            return (
+                f"Rank 0 has {len(first)} `BalancedBatchSampler` in its train DataLoader and rank {rank} has"
+                f" {len(settings)}. Give every rank the same train DataLoader."
+            )
+        for mine, theirs in zip(first, settings, strict=True):
+            for name, value in mine.items():
+                if theirs.get(name) != value:
+                    return (
+                        f"The ranks' `BalancedBatchSampler`s would deal apart: `{name}` is {value!r} on rank 0 and"
+                        f" {theirs.get(name)!r} on rank {rank}. Every rank computes each step's deal itself, so with"
+                        f" different settings samples would be lost or trained on twice. Pass the same `{name}` on"
+                        " every rank (a step cost from `measure_step_cost`, called on every rank, is the same on all)."
+                    )
+    return None
