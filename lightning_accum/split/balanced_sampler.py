@@ -77,7 +77,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
             deal (`lightning_accum.split.balancing.refine`). Tokens alone balance the tokens to about 1.01 but the
             compute only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
         pass_cost_tokens: a micro-batch pass's fixed cost in tokens (`lightning_accum.split.balancing.PASS_COST_TOKENS`,
-            measured on a CPU, by default; measure yours as ``examples/benchmarks/rank_balance.py`` does).
+            measured on a CPU, by default; measure yours with `lightning_accum.sequences.measure_step_cost`, on
+            every rank).
         sampler: set by Lightning (a ``DistributedSampler``), for the world size, rank and epoch.
 
     Raises:

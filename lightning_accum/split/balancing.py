@@ -47,7 +47,8 @@ PASS_COST_TOKENS = 112.0
 CPU: ``examples/benchmarks/rank_balance.py`` fits a pass's CPU seconds as ``a + b * padded_tokens + c * rows *
 length ** 2`` on its small causal LM, and ``a / b`` came to 112.6 and 112.5 tokens in two of three fits (273 in the
 third, whose quadratic term took part of the tokens' share). On a GPU a pass's fixed cost (kernel launches, a small
-micro-batch's lower efficiency) is larger in tokens: measure it there as the benchmark does."""
+micro-batch's lower efficiency) is larger in tokens: measure it on your model with
+`lightning_accum.split.pass_timing.measure_step_cost`."""
 
 KARMARKAR_KARP_MAX = 1 << 16
 """``"best"`` runs Karmarkar-Karp only when samples x parts is at most this (4096 samples on 512 ranks took 6.7 s on
@@ -71,9 +72,8 @@ RELIEF_MOVES = 64
 stops sooner, at `CLOSE_ENOUGH`)."""
 
 BATCHED_FROM = 256
-"""`refine` prices this many new shares or more in one batch (`share_prices`), fewer one by one: on this machine's CPU
-a batch costs 1.4-5 ms whatever its size (the cut's columns' tensor operations), and 256 shares of 8 cost 3.7 ms
-batched, 4.6 ms one by one (512: 4.4 and 8.4 ms; 8 shares: 2.6 and 0.12 ms)."""
+"""`refine` prices this many new shares or more in one batch (`share_prices`), fewer one by one: a batch costs 1.4-5 ms
+whatever its size here; 256 shares of 8 took 3.7 ms batched, 4.6 ms one by one (512: 4.4 and 8.4; 8: 2.6 and 0.12)."""
 
 MICRO_BATCH_COST = 32
 """`lightning_accum.split.tokens.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they agree)."""
@@ -384,10 +384,7 @@ def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Pr
 
 
 class _Prices:
-    """``cost.of`` of shares (positions into ``lengths``), many at once, remembered by their sorted lengths.
-
-    A round's candidates are priced in one batch (`share_prices`); moves retry shares, so prices are kept.
-    """
+    """``cost.of`` of shares (positions into ``lengths``), a round's at once, kept by their sorted lengths (retried)."""
 
     def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
         self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
@@ -420,10 +417,7 @@ class _Prices:
         return [self._known[key] for key in keys]
 
     def exchanged(self, key: tuple[int, ...], out: int | None, into: int | None) -> tuple[int, ...]:
-        """``key`` with sample ``out``'s length taken out and sample ``into``'s put in, in order.
-
-        A move's price key, without building its share.
-        """
+        """``key`` with sample ``out``'s length taken out and ``into``'s put in, in order: a move's, unbuilt."""
         rest = list(key)
         if out is not None:
             rest.remove(self._at_least_one[out])
