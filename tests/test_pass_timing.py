@@ -186,3 +186,56 @@ def test_on_two_ranks_every_rank_gets_rank_0s_fit_of_their_mean_times(tmp_path):
     assert ranks[0]["cost"].quadratic == pytest.approx(mean.quadratic, rel=1e-9)
     assert ranks[0]["cost"].pass_cost_tokens == pytest.approx(175, rel=1e-6)  # the mean machine's
     assert [r["alone"].pass_cost_tokens for r in ranks] == [pytest.approx(150, rel=1e-6), pytest.approx(200, rel=1e-6)]
+
+
+def _failing_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
+    try:
+        machine = _machine(rank)
+
+        def run_pass(rows: int, length: int) -> None:
+            if rank == 1 and len(machine.calls) == 40:  # rank 1 runs out of memory in the middle of its timing
+                raise MemoryError("out of memory at 40 passes")
+            machine.run_pass(rows, length)
+
+        try:
+            measure_step_cost(run_pass, LENGTHS, 1024, clock=machine.clock)
+        except Exception as err:
+            torch.save(f"{type(err).__name__}: {err}", os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_to_time_its_passes_fails_every_rank_and_none_waits(tmp_path):
+    h.start_ranks(_failing_worker, (_free_port(), str(tmp_path)), 2)
+    errors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert errors[1] == "MemoryError: out of memory at 40 passes"  # its own error
+    assert errors[0] == (
+        "RuntimeError: Rank 1 failed to time its passes, so no rank has a step cost: MemoryError: out of memory at 40"
+        " passes"
+    )
+
+
+def _flat_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
+    try:
+        machine = Machine(a=1e-3, b=0.0, c=0.0, seed=rank)  # passes that do not grow with their tokens: no fit
+        try:
+            measure_step_cost(machine.run_pass, LENGTHS, 1024, clock=machine.clock)
+        except Exception as err:
+            torch.save(f"{type(err).__name__}: {err}", os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+def test_where_rank_0s_fit_fails_every_rank_raises_its_error(tmp_path):
+    h.start_ranks(_flat_worker, (_free_port(), str(tmp_path)), 2)
+    errors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("ValueError: On rank 0, the fit of every rank's mean times failed: The pass timings")

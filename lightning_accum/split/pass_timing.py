@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -78,21 +79,51 @@ def measure_step_cost(
 
     Raises:
         ValueError: ``lengths`` is empty, or the timings gave no cost per token (see `fit_step_cost`).
+        RuntimeError: under ``torch.distributed``, another rank failed to time its passes (every rank raises: the one
+            that failed its own error, the others this, naming it), so no rank waits for another.
     """
-    shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
-    seconds = time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
+        seconds = time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock)
         return fit_step_cost(shapes, seconds, micro_batch_tokens)
-    # One fit for every rank: a fit on each could differ in its last bits, and deal the ranks apart.
-    every: list[list[float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, seconds)
-    fitted: list[StepCost | None] = [None]
+    try:
+        shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
+        timed: tuple[list[Shape], list[float]] | str = (
+            shapes,
+            time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock),
+        )
+    except Exception as err:  # told to every rank, which all raise: none is left waiting at the gather
+        with contextlib.suppress(RuntimeError):  # what the others are told; this rank raises its own
+            _agree_on_one_fit(f"{type(err).__name__}: {err}", micro_batch_tokens)
+        raise
+    return _agree_on_one_fit(timed, micro_batch_tokens)
+
+
+def _agree_on_one_fit(timed: tuple[list[Shape], list[float]] | str, micro_batch_tokens: int) -> StepCost:
+    """Rank 0's fit of every rank's mean times, on every rank; raises on every rank where one failed.
+
+    One fit for every rank: a fit on each could differ in its last bits (LAPACK's), and deal the ranks apart. A rank
+    whose timing raised sends its error instead of its times (and raises its own after this returns or raises).
+    """
+    every: list[tuple[list[Shape], list[float]] | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, timed)
+    failed = [(rank, got) for rank, got in enumerate(every) if not isinstance(got, tuple)]
+    if failed:
+        rank, error = failed[0]
+        raise RuntimeError(f"Rank {rank} failed to time its passes, so no rank has a step cost: {error}")
+    answer: list[StepCost | str | None] = [None]
     if dist.get_rank() == 0:
-        mean = [sum(times) / len(times) for times in zip(*(t for t in every if t is not None), strict=True)]
-        fitted[0] = fit_step_cost(shapes, mean, micro_batch_tokens)
-    dist.broadcast_object_list(fitted, src=0)
-    assert fitted[0] is not None
-    return fitted[0]
+        timings = [got for got in every if isinstance(got, tuple)]
+        mean = [sum(t) / len(t) for t in zip(*(seconds for _, seconds in timings), strict=True)]
+        try:
+            answer[0] = fit_step_cost(timings[0][0], mean, micro_batch_tokens)
+        except ValueError as err:  # sent to every rank, which all raise it
+            answer[0] = str(err)
+    dist.broadcast_object_list(answer, src=0)
+    if not isinstance(answer[0], StepCost):
+        raise ValueError(f"On rank 0, the fit of every rank's mean times failed: {answer[0]}")
+    return answer[0]
 
 
 def pass_shapes(
