@@ -32,8 +32,8 @@ than the ranks': two processes on two cores, and the measured compute balanced t
 times differ by timing noise alone, the floor under what any deal can show on this machine. Each rank runs on a core of
 its own. On this machine (2 vCPUs) the same share runs 1-6% slower on one core than on the other through a run, and
 which one differs from run to run: a floor of 1.03-1.04 a step, which longer steps do not lower (4 times the step: 1.045
-to 1.036) nor the CPU clock in place of the wall clock. Taken as each share's median on both cores, the floor comes to
-about 1.01.
+to 1.036) nor the CPU clock in place of the wall clock. Taken as each share's median on both cores, the floor came to
+1.009-1.029 over four runs.
 
 **Simulated.** A rank's step is its share priced by the fit (`StepCost.of`, the fit's seconds in tokens); the slowest
 rank's step over the mean, for 8, 64 and 512 ranks at 4, 8, 16 and 64 sequences per rank, at random and by cost.
