@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import tests.helpers as h
 from lightning_accum.sequences import BalancedBatchSampler
 from lightning_accum.split import balancing
 from lightning_accum.split.pass_timing import fit_step_cost, measure_step_cost, pass_shapes, time_passes
+from tests.test_fsdp2 import _free_port
 
 LENGTHS = [min(512, max(8, round(math.exp(random.Random(i).gauss(math.log(64), 0.9))))) for i in range(400)]
 
@@ -143,12 +143,6 @@ def test_a_real_models_pass_is_timed_and_fitted_to_a_price_the_sampler_takes():
     assert sum(len(batch) for batch in sampler) > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ranks_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
@@ -188,14 +182,15 @@ def test_on_two_ranks_every_rank_gets_rank_0s_fit_of_their_mean_times(tmp_path):
     assert [r["alone"].pass_cost_tokens for r in ranks] == [pytest.approx(150, rel=1e-6), pytest.approx(200, rel=1e-6)]
 
 
-def _failing_worker(rank: int, port: int, out: str) -> None:
+def _faulty_worker(rank: int, port: int, out: str, fault: str) -> None:
+    """Times on 2 ranks with ``fault``: "oom on rank 1" (mid-timing) or "no cost per token" (rank 0's fit fails)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
     try:
-        machine = _machine(rank)
+        machine = _machine(rank) if fault == "oom on rank 1" else Machine(a=1e-3, b=0.0, c=0.0, seed=rank)
 
         def run_pass(rows: int, length: int) -> None:
-            if rank == 1 and len(machine.calls) == 40:  # rank 1 runs out of memory in the middle of its timing
+            if fault == "oom on rank 1" and rank == 1 and len(machine.calls) == 40:
                 raise MemoryError("out of memory at 40 passes")
             machine.run_pass(rows, length)
 
@@ -210,7 +205,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.ddp
 @pytest.mark.timeout(120)
 def test_a_rank_that_fails_to_time_its_passes_fails_every_rank_and_none_waits(tmp_path):
-    h.start_ranks(_failing_worker, (_free_port(), str(tmp_path)), 2)
+    h.start_ranks(_faulty_worker, (_free_port(), str(tmp_path), "oom on rank 1"), 2)
     errors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert errors[1] == "MemoryError: out of memory at 40 passes"  # its own error
     assert errors[0] == (
@@ -219,23 +214,10 @@ def test_a_rank_that_fails_to_time_its_passes_fails_every_rank_and_none_waits(tm
     )
 
 
-def _flat_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=h.RANK_TIMEOUT)
-    try:
-        machine = Machine(a=1e-3, b=0.0, c=0.0, seed=rank)  # passes that do not grow with their tokens: no fit
-        try:
-            measure_step_cost(machine.run_pass, LENGTHS, 1024, clock=machine.clock)
-        except Exception as err:
-            torch.save(f"{type(err).__name__}: {err}", os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.ddp
 @pytest.mark.timeout(120)
 def test_where_rank_0s_fit_fails_every_rank_raises_its_error(tmp_path):
-    h.start_ranks(_flat_worker, (_free_port(), str(tmp_path)), 2)
+    h.start_ranks(_faulty_worker, (_free_port(), str(tmp_path), "no cost per token"), 2)
     errors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert errors[0] == errors[1]
     assert errors[0].startswith("ValueError: On rank 0, the fit of every rank's mean times failed: The pass timings")

@@ -14,9 +14,10 @@ backward) can be timed apart from the wait at the sync. Each repeat runs every d
 slowest rank's compute time over the mean (median over steps and repeats: a step as it ran, what the sync waits for),
 the same of each share's compute time taken as the median of its repeats (the ranks swap shares every other repeat, so
 both cores run both: a core slower than the other through a run moves both shares alike, and what is left is the
-deal's), the same of the ranks' tokens and of their shares' fitted seconds (what the deal by cost balances), samples/s
-of by cost over at random (median over repeats, with the range), the share of a step that is the model's forward and
-backward, and parity: the largest relative difference between the two deals' gradients, and to one full-batch pass.
+deal's), the same of the ranks' tokens and of their shares' prices by the fit (what the deal by cost balances),
+samples/s of by cost over at random (median over repeats, with the range), the share of a step that is the model's
+forward and backward, and parity: the largest relative difference between the two deals' gradients, and to one
+full-batch pass.
 
 **The fit.** First, in both ranks at once (as they then train, each on its own core),
 `lightning_accum.sequences.measure_step_cost` times a pass on the shapes the cut makes (a grid up to the budget, and the
@@ -181,8 +182,12 @@ def calibrate(quick: bool) -> StepCost:
         ids = inputs.setdefault((rows, length), torch.randint(1, VOCAB, (rows, length)))  # made at the warm-up pass
         model.token_loss_sum(ids, ids).backward()
 
-    calibration = lognormal_lengths(400, seed=99)  # drawn apart from the run's own lengths
-    return measure_step_cost(run_pass, calibration, BUDGET, per_rank=8, repeats=3 if quick else 7)
+    return measure_step_cost(run_pass, calibration_lengths(), BUDGET, per_rank=8, repeats=3 if quick else 7)
+
+
+def calibration_lengths() -> list[int]:
+    """The lengths whose shares' cuts the fit times: drawn apart from the run's own."""
+    return lognormal_lengths(400, seed=99)
 
 
 def pin_to_a_core(rank: int) -> None:
@@ -372,7 +377,7 @@ def main() -> None:
     wall = {"measured": time.perf_counter() - clock}
     sampler = sampler_kwargs(cost)
     q = sampler["quadratic"]
-    shapes = len(pass_shapes(lognormal_lengths(400, seed=99), BUDGET, per_rank=8))
+    shapes = len(pass_shapes(calibration_lengths(), BUDGET, per_rank=8))
     print(
         f"sampler (by cost): micro_batch_tokens={sampler['micro_batch_tokens']},"
         f" pass_cost_tokens={sampler['pass_cost_tokens']:.1f}, quadratic={'None' if q is None else f'{q:.0f}'}"

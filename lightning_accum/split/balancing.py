@@ -357,7 +357,7 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
 def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Prices) -> list[list[int]]:
     """The slowest rank's share made cheaper, one move at a time, while it is over `CLOSE_ENOUGH` times the mean.
 
-    Each move is the best of `_best_move` between the slowest rank and each of the `PARTNERS` lightest (the one that
+    Each move is the best of `_best_moves` between the slowest rank and each of the `PARTNERS` lightest (the one that
     leaves the pair's dearer share cheapest); it stops when no move lowers the slowest rank, or after
     `RELIEF_MOVES` moves. `refine`'s rounds pair many ranks at once and stop while a few stand out;
     this takes the few down (at 8 sequences a rank on the benchmark's lengths, 1.022-1.027 of the mean to
@@ -373,7 +373,7 @@ def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Pr
         moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for light in partners], price)
         best: tuple[_Move, int] | None = None
         for move, light in zip(moves, partners, strict=True):
-            if move is not None and (best is None or move.after < best[0].after):
+            if move is not None and (best is None or _after(move.prices) < _after(best[0].prices)):
                 best = (move, light)
         if best is None:
             break
@@ -389,9 +389,6 @@ class _Prices:
     def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
         self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
         self._at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them, normalized once
-
-    def __call__(self, part: Sequence[int]) -> float:
-        return self.many([part])[0]
 
     def key(self, part: Sequence[int]) -> tuple[int, ...]:
         """What a share's price depends on: its lengths (at least 1 each), longest first."""
@@ -430,12 +427,16 @@ class _Prices:
 
 
 class _Move(NamedTuple):
-    """Two ranks' shares after a move, and ``after``: the dearer share's price, then their sum (less is better)."""
+    """Two ranks' shares after a move, and their prices."""
 
-    after: tuple[float, float]
     mine: list[int]
     theirs: list[int]
     prices: tuple[float, float]
+
+
+def _after(prices: tuple[float, float]) -> tuple[float, float]:
+    """How good a move is: the dearer share's price after it, then the pair's sum (less is better)."""
+    return max(prices), prices[0] + prices[1]
 
 
 _Pair = tuple[list[int], list[int], float, float]
@@ -451,8 +452,8 @@ def _best_moves(pairs: Sequence[_Pair], price: _Prices) -> list[_Move | None]:
     """
     lengths = price.lengths
     candidates: list[tuple[int, int, int | None]] = []  # (pair, the heavy rank's sample, the light rank's or None)
-    keys: list[tuple[int, ...]] = []  # the candidates' heavy shares' keys, then their light shares'
-    light_keys: list[tuple[int, ...]] = []
+    keys: list[tuple[int, ...]] = []  # each candidate's heavy share's price key
+    light_keys: list[tuple[int, ...]] = []  # and its light share's
     for k, (mine, theirs, peak, their_price) in enumerate(pairs):
         target = (peak - their_price) / 2  # the tokens a move would shift to meet in the middle
         others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
@@ -467,19 +468,19 @@ def _best_moves(pairs: Sequence[_Pair], price: _Prices) -> list[_Move | None]:
                 keys.append(price.exchanged(mine_key, a, b))
                 light_keys.append(price.exchanged(theirs_key, b, a))
     prices = price.of_keys(keys + light_keys)
-    chosen: list[tuple[tuple[float, float], int, int | None, tuple[float, float]] | None] = [None] * len(pairs)
+    chosen: list[tuple[int, int | None, tuple[float, float]] | None] = [None] * len(pairs)
     for (k, a, b), left_price, right_price in zip(candidates, prices[: len(keys)], prices[len(keys) :], strict=True):
-        after, peak, best = (max(left_price, right_price), left_price + right_price), pairs[k][2], chosen[k]
-        if after[0] < peak * (1 - 1e-12) and (best is None or after < best[0]):
-            chosen[k] = (after, a, b, (left_price, right_price))
+        after, best = _after((left_price, right_price)), chosen[k]
+        if after[0] < pairs[k][2] * (1 - 1e-12) and (best is None or after < _after(best[2])):
+            chosen[k] = (a, b, (left_price, right_price))
     moves: list[_Move | None] = []
     for (mine, theirs, _, _), best in zip(pairs, chosen, strict=True):
         if best is None:
             moves.append(None)
             continue
-        after, a, b, pair_prices = best
+        a, b, pair_prices = best
         left = [i for i in mine if i != a] + ([] if b is None else [b])
-        moves.append(_Move(after, left, [i for i in theirs if i != b] + [a], pair_prices))
+        moves.append(_Move(left, [i for i in theirs if i != b] + [a], pair_prices))
     return moves
 
 

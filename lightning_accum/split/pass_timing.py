@@ -83,21 +83,17 @@ def measure_step_cost(
             that failed its own error, the others this, naming it), so no rank waits for another.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed:
-        shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
-        seconds = time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock)
-        return fit_step_cost(shapes, seconds, micro_batch_tokens)
     try:
         shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
-        timed: tuple[list[Shape], list[float]] | str = (
-            shapes,
-            time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock),
-        )
+        seconds = time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock)
     except Exception as err:  # told to every rank, which all raise: none is left waiting at the gather
-        with contextlib.suppress(RuntimeError):  # what the others are told; this rank raises its own
-            _agree_on_one_fit(f"{type(err).__name__}: {err}", micro_batch_tokens)
+        if distributed:
+            with contextlib.suppress(RuntimeError):  # what the others are told; this rank raises its own
+                _agree_on_one_fit(f"{type(err).__name__}: {err}", micro_batch_tokens)
         raise
-    return _agree_on_one_fit(timed, micro_batch_tokens)
+    if not distributed:
+        return fit_step_cost(shapes, seconds, micro_batch_tokens)
+    return _agree_on_one_fit((shapes, seconds), micro_batch_tokens)
 
 
 def _agree_on_one_fit(timed: tuple[list[Shape], list[float]] | str, micro_batch_tokens: int) -> StepCost:
@@ -198,16 +194,16 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float], micro_batch
     Least squares on the relative error (each shape's row over its time): unweighted, the largest passes' noise
     decides the fixed cost ``a`` (a pass's cost in tokens, ``a / b``, came to 78, 247 and 587 in three fits; weighted,
     76 to 173). A term fitted below 0 is dropped and the rest fitted again (none negative), as is a quadratic term
-    under `NEGLIGIBLE` of every shape's time. ``pass_cost_tokens`` is
-    ``a / b``; ``quadratic`` is ``b / c``, or ``None`` where ``c`` is 0.
+    under `NEGLIGIBLE` of every shape's time. ``pass_cost_tokens`` is ``a / b``; ``quadratic`` is ``b / c``, or
+    ``None`` where ``c`` is 0.
+
+    The fit is least squares in LAPACK, whose last bits can differ from one call to the next (with the memory's
+    alignment, under MKL): fit once and share the result, as `measure_step_cost` does across ranks.
 
     Raises:
         ValueError: the shapes and seconds differ in number, a time is not positive, or the fit gave no cost per token
             (``b`` at 0, or under `NEGLIGIBLE` of every time: the timings were too noisy, or the passes did not grow
             with their tokens).
-
-    The fit is least squares in LAPACK, whose last bits can differ from one call to the next (with the memory's
-    alignment, under MKL): fit once and share the result, as `measure_step_cost` does across ranks.
     """
     if len(shapes) != len(seconds):
         raise ValueError(f"{len(shapes)} shapes and {len(seconds)} times: pass one time for each shape.")

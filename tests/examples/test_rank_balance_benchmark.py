@@ -36,7 +36,7 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
         assert row["parity"]["replicas"] == 0
         # The deal by cost balances its shares' cut as priced by the fit (no longer tokens alone).
         assert row["by cost"]["modelled_imbalance"] < row["at random"]["modelled_imbalance"]
-        # The noise floor's ranks run the same share: equal tokens and fitted seconds, whatever their times.
+        # The noise floor's ranks run the same share: equal tokens and prices by the fit, whatever their times.
         floor = row["the same share on both"]
         assert floor["token_imbalance"] == 1.0 and floor["modelled_imbalance"] == 1.0
         # Each share's time, the median of its repeats on both cores: a ratio of the slowest to the mean, so >= 1.
