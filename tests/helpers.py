@@ -6,9 +6,11 @@ import contextlib
 import copy
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -69,21 +71,53 @@ def fabric_strategy(parallelize_fn: Callable[..., Any] | None = None) -> Any:
 def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 2) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them, as ``mp.start_processes``.
 
-    One rank that fails stops the others (torch's join does), and the error is raised here. When the wait itself is
+    One rank that fails stops the others (torch's join does), and the error of the rank that failed *first* is raised
+    here: torch raises the error of whichever failed rank its wait returns first, and a peer that fails because the
+    first one closed its connection ("Connection closed by peer") can come before the cause. When the wait itself is
     interrupted (pytest's timeout, Ctrl-C), every rank is killed before the exception goes on: torch leaves them
     running, and pytest would then wait for them at exit.
     """
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    with tempfile.TemporaryDirectory(prefix="lightning-accum-ranks-") as failed_at:
+        context = mp.start_processes(
+            _rank_that_stamps_its_failure, args=(fn, failed_at, args), nprocs=nprocs, start_method="spawn", join=False
+        )
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as error:
+            first = _first_to_fail(failed_at)
+            if first is None or first == error.error_index:
+                raise
+            with open(context.error_files[first], "rb") as f:
+                trace = pickle.load(f)
+            raise mp.ProcessRaisedException(
+                f"\n\n-- Process {first} failed first (process {error.error_index} after it), with the following"
+                f" error:\n{trace}",
+                first,
+                context.processes[first].pid,
+            ) from error
+        except BaseException:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join(timeout=10)
+            raise
+
+
+def _rank_that_stamps_its_failure(rank: int, fn: Callable[..., None], failed_at: str, args: tuple[Any, ...]) -> None:
     try:
-        while not context.join():
-            pass
-    except BaseException:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-        for process in context.processes:
-            process.join(timeout=10)
+        fn(rank, *args)
+    except Exception:
+        # CLOCK_MONOTONIC is one clock for every process on the machine: the ranks' stamps compare.
+        Path(failed_at, str(rank)).write_text(repr(time.monotonic()))
         raise
+
+
+def _first_to_fail(failed_at: str) -> int | None:
+    """The rank whose failure was stamped first, or None when none was (a rank killed, not raising)."""
+    stamps = {int(p.name): float(p.read_text()) for p in Path(failed_at).iterdir()}
+    return min(stamps, key=stamps.__getitem__) if stamps else None
 
 
 SESSION_HELPERS = (

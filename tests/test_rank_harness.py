@@ -8,6 +8,7 @@ others and the test fails. Where a test hangs anyway, pytest's timeout fails it,
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
@@ -103,6 +105,24 @@ def test_ranks_started_by_start_ranks_fail_in_bounded_time_and_leave_no_process(
         h.start_ranks(_mismatched, (_free_port(), SHORT.total_seconds(), str(tmp_path)), 2)
     assert_bounded(waits(tmp_path))
     assert h.stray_processes(before) == {}  # what would be left, killed
+
+
+def _fails_first_and_exits_last(rank: int, out_dir: str) -> None:
+    """Rank 1 raises first but its process ends last (an exit that takes time, as a process group's teardown can);
+    rank 0 raises 0.5 s later and ends at once: torch's launcher sees rank 0 end first and raises its error."""
+    if rank == 1:
+        atexit.register(time.sleep, 3.0)
+        raise RuntimeError("rank 1 failed first: the cause")
+    time.sleep(0.5)
+    raise RuntimeError("rank 0 failed after it: a consequence")
+
+
+def test_start_ranks_raises_the_error_of_the_rank_that_failed_first_not_of_the_first_to_exit(tmp_path):
+    # Before, `start_ranks` raised whichever failed rank torch's wait returned first: here rank 0's consequence.
+    with pytest.raises(mp.ProcessRaisedException, match="failed first: the cause") as raised:
+        h.start_ranks(_fails_first_and_exits_last, (str(tmp_path),), 2)
+    assert raised.value.error_index == 1
+    assert "Process 1 failed first (process 0 after it)" in str(raised.value)
 
 
 INNER_TEST = """
