@@ -3,8 +3,8 @@
 Timings are the benchmark's to report (the machine is shared). What is checked is what holds whatever the timing: the
 tables' structure, exactness (the deal by cost gives the random deal's and the full batch's gradient, identical on
 both ranks), that the deal by cost balances the ranks' fitted step cost better than the random deal, and that the
-sampler was given the step cost `measure_step_cost` fitted on this machine (in both ranks, agreed), and that the noise
-floor's ranks ran the same share.
+sampler was given the step cost `measure_step_cost` fitted on this machine (in both ranks, agreed), that the noise
+floor's ranks ran the same share, and that every deal ran every repeat (the samples/s ratios paired by repeat).
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
         assert floor["token_imbalance"] == 1.0 and floor["modelled_imbalance"] == 1.0
         # Each share's time, the median of its repeats on both cores: a ratio of the slowest to the mean, so >= 1.
         assert all(1.0 <= row[name]["share_compute_imbalance"] < 3.0 for name in ("at random", "by cost"))
+        # Every deal ran every repeat (the quick run: 2), step by step in turn: a samples/s each, paired by repeat.
+        assert all(len(row[name]["samples_per_s"]) == 2 for name in ("at random", "by cost", "the same share on both"))
+        for ratio in ("speedup", "ceiling"):
+            low, high = row[ratio]["range"]
+            assert 0 < low <= row[ratio]["median"] <= high
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
         assert 1.0 <= row["bound"]["mean"] <= row["by cost"]["mean"] * (1 + 1e-12)  # no deal beats the dearest sample
