@@ -3,8 +3,9 @@
 Depends on ``lightning/fabric/wrappers.py`` (lightning 2.2 to 2.6): ``_FabricModule._forward_module`` is the module
 the strategy wrapped (``DistributedDataParallel`` under DDP, the ``fully_shard``-ed module under
 ``ModelParallelStrategy``), and ``_FabricModule.module`` the user's own; and on ``lightning/fabric/strategies/``:
-``Strategy.all_reduce(tensor, reduce_op=...)``, ``Strategy.root_device`` and the strategy classes.
-``tests/test_fabric.py`` fails if one of them changes.
+``Strategy.all_reduce(tensor, reduce_op=...)``, ``Strategy.root_device`` and the strategy classes; and on
+``_FabricDataLoader._num_iter_calls``, the epoch its ``__iter__`` gives its sampler's ``set_epoch`` (then counts up).
+``tests/test_fabric.py`` and ``tests/test_fabric_balancing.py`` fail if one of them changes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
 from lightning.fabric.strategies.fsdp import FSDPStrategy
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.strategies.single_device import SingleDeviceStrategy
-from lightning.fabric.wrappers import _FabricModule
+from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -118,3 +119,13 @@ def gradient_scale(fabric: Fabric) -> float:
     if scaler is None or not scaler.is_enabled():
         return 1.0
     return float(scaler.get_scale())
+
+
+def start_loader_epoch(loader: Any, epoch: int) -> None:
+    """Make the next iteration of ``loader`` set its sampler's epoch to ``epoch``, where it is Fabric's loader.
+
+    ``fabric.setup_dataloaders``' loader calls ``set_epoch`` with the number of times it was iterated before, which
+    starts again at 0 in a resumed process: the first epoch after a resume would repeat epoch 0's order.
+    """
+    if isinstance(loader, _FabricDataLoader):
+        loader._num_iter_calls = int(epoch)

@@ -231,7 +231,7 @@ class AutoMicroBatching(AccumulationOwner):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        refuse_ranks_that_deal_apart(trainer)
+        refuse_ranks_that_deal_apart(trainer.train_dataloader, trainer.world_size)
         self._backend = backend = backend_for(trainer.strategy.root_device)
         budget, capacity = _memory_budget(self.max_memory, self._max_memory_given, backend)
         self.planner.budget_bytes = budget

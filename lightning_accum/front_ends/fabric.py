@@ -34,6 +34,8 @@ from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsE
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.front_ends._owner import log, log_info, ranks_of, window_report
+from lightning_accum.front_ends._split_checks import refuse_ranks_that_deal_apart
+from lightning_accum.front_ends.balanced_sampler_state import balanced_samplers
 from lightning_accum.memory.backends import backend_for, free_bytes
 from lightning_accum.memory.budget import budget_bytes, check_max_memory
 from lightning_accum.memory.oom import OOMInjector
@@ -277,6 +279,11 @@ class FabricMicroBatching(_FabricFrontEnd):
     `lightning_accum.AutoMicroBatching` does. The arguments it shares with that callback mean the same.
 
     ``loss_fn`` gets the model as its first argument so that the pre-flight can trace it on a fake copy.
+
+    `batches` iterates an epoch of a loader's step batches, as `FabricAccumulation.batches` does: it gives a
+    `lightning_accum.sequences.BalancedBatchSampler` its epoch, refuses ranks whose samplers would deal apart (at the
+    first call, on every rank), and after `load_state_dict` resumes mid-epoch at the step batch after the last one
+    stepped.
     """
 
     mode: Mode = "split"
@@ -312,6 +319,37 @@ class FabricMicroBatching(_FabricFrontEnd):
             self.host, self.engine, self.planner, self.policy, StepLogCombiner(pl.LightningModule()), self._backend,
             on_oom=self._recovered, fault_injector=fault_injector, sequences=self.sequences,
         )  # fmt: skip
+        self.epoch = 0
+        self.batch_in_epoch = 0  # step batches of this epoch stepped from `batches` (on resume, it starts after them)
+        self._in_batches = False
+        self._samplers_checked = False
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """One epoch of the loader's step batches; after `load_state_dict`, from the one after the last stepped.
+
+        Every rank must call it at the same point: its first call gathers every rank's `BalancedBatchSampler`
+        settings and raises on every rank where they differ (each rank deals every step itself, so a rank that deals
+        otherwise loses samples or trains on some twice). A `BalancedBatchSampler` is given the epoch and starts at
+        the resumed step batch itself; any other loader's step batches already stepped are loaded and skipped.
+        Fabric's own loader is told the epoch too, so a resumed process draws the resumed epoch's order, not epoch 0's.
+        """
+        samplers = balanced_samplers(loader)
+        if not self._samplers_checked:
+            refuse_ranks_that_deal_apart(loader, self.fabric.world_size)
+            self._samplers_checked = True
+        _fabric.start_loader_epoch(loader, self.epoch)
+        for sampler in samplers:
+            sampler.set_epoch(self.epoch)
+            sampler.resume(self.epoch, self.batch_in_epoch)
+        skip = 0 if samplers else self.batch_in_epoch
+        self._in_batches = True
+        try:
+            for index, batch in enumerate(loader):
+                if index >= skip:
+                    yield batch
+        finally:
+            self._in_batches = False
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
     def step(self, batch: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
         """Run one step batch in micro-batches; returns the step's loss (the item-weighted mean on this rank)."""
@@ -343,6 +381,8 @@ class FabricMicroBatching(_FabricFrontEnd):
             rank_imbalance=None if balance is None else balance.imbalance,
             sync_wait_seconds=None if balance is None else balance.sync_wait_seconds,
         )  # fmt: skip
+        if self._in_batches:
+            self.batch_in_epoch += 1
         return loss
 
     def _preflight(self, batch: Any, loss_fn: Callable[[Any, Any], Tensor]) -> None:
@@ -376,11 +416,13 @@ class FabricMicroBatching(_FabricFrontEnd):
             self._record(AccumulationEvent(event.kind, event.step, event.before, event.after, event.reason, event.unit))
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "planner": self.planner.state_dict()}
+        position = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+        return {**super().state_dict(), "planner": self.planner.state_dict(), **position}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.planner.load_state_dict(state.get("planner", {}))
+        self.epoch, self.batch_in_epoch = int(state.get("epoch", 0)), int(state.get("batch_in_epoch", 0))
 
 
 class _LossModule(torch.nn.Module):
