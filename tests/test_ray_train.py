@@ -6,7 +6,8 @@ What a Ray Train user writes (`TorchTrainer` with 2 CPU workers; inside, a `Trai
 mode resumed from the checkpoint Ray's report callback saved. The metrics that callback reports carry the
 monitor's `accum/*` keys (docs/scaling-out.md, "Ray Train", says which).
 
-One local Ray cluster for the module, three `TorchTrainer` runs in all (Ray starts slowly); the cluster is shut down
+The same holds with `BalancedBatchSampler` in the DataLoader (ranks dealt by cost, with unequal sample counts). One
+local Ray cluster for the module, four `TorchTrainer` runs in all (Ray starts slowly); the cluster is shut down
 whatever happens, so a failing test leaves no Ray process behind.
 """
 
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader
 import tests.helpers as h
 from lightning_accum import AccumulationMonitor, AccumulationScheduler, AutoMicroBatching
 from lightning_accum.memory.oom import OOMFault, OOMInjector
+from lightning_accum.sequences import BalancedBatchSampler
 
 ray = pytest.importorskip("ray", reason="needs Ray Train: pip install 'lightning-accum[ray]'")
 pytest.importorskip("ray.train.lightning", reason="needs Ray Train: pip install 'lightning-accum[ray]'")
@@ -57,9 +59,21 @@ class SaveRun(pl.Callback):
         torch.save(figures, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
+def skewed_data() -> h.TokenDataset:
+    """A long sequence in four (8 tokens), the rest 1 to 3: a deal by tokens gives the workers unequal counts."""
+    return h.TokenDataset(SAMPLES, seed=1, lengths=[8 if i % 4 == 0 else 1 + i % 3 for i in range(SAMPLES)])
+
+
+def balanced_sampler() -> BalancedBatchSampler:
+    """Each step's 12 samples dealt to the 2 workers by their tokens (the ranks come from Lightning's sampler)."""
+    return BalancedBatchSampler([int(m.sum()) for m in skewed_data().mask], 12, seed=3)
+
+
 def accumulation(mode: str) -> pl.Callback:
     if mode == "window":
         return AccumulationScheduler(WINDOW["k"], count_items=h.count_tokens)
+    if mode == "balanced":
+        return AutoMicroBatching(SPLIT["micro"], pin_micro_batch_size=True, count_items=h.count_tokens)
     return AutoMicroBatching(
         SPLIT["micro"],
         pin_micro_batch_size=True,
@@ -72,7 +86,9 @@ def accumulation(mode: str) -> pl.Callback:
 
 def model_and_data(mode: str) -> tuple[h.TokenModel, DataLoader]:
     model = h.TokenModel(lr=LR)
-    model.split_mode = mode == "split"
+    model.split_mode = mode in ("split", "balanced")
+    if mode == "balanced":  # as a user builds it: Lightning puts its DistributedSampler in, for the ranks
+        return model, DataLoader(skewed_data(), batch_sampler=balanced_sampler())
     batch_size = WINDOW["batch_size"] if mode == "window" else SPLIT["batch_size"]
     return model, DataLoader(h.TokenDataset(SAMPLES, seed=1), batch_size=batch_size)
 
@@ -228,3 +244,24 @@ def test_split_mode_with_an_oom_and_a_resume_through_rays_checkpoint_is_bit_iden
     windows = [a + b for a, b in zip(plain[0]["step_indices"], plain[1]["step_indices"], strict=True)]
     reference = h.replay_reference(initial, h.TokenDataset(SAMPLES, seed=1), windows, h.token_loss, lr=LR)
     h.assert_grads_close(plain[0]["step_grads"], reference, **h.FP32)
+
+
+def test_ranks_dealt_by_cost_under_ray_train_are_bit_identical_to_plain_ddp_and_exact(tmp_path, ray_cluster):
+    # `BalancedBatchSampler` in the user's DataLoader, nothing else changed: under Ray's strategy Lightning rebuilds it
+    # with its DistributedSampler, from which it takes the workers' world size and rank, as under plain DDP.
+    _, ray_ranks = ray_fit(tmp_path, "balanced", max_epochs=2)
+    plain = plain_fit(tmp_path, "balanced", max_epochs=2)
+
+    sampler = balanced_sampler()
+    global_batches = sampler.global_batches(0) + sampler.global_batches(1)
+    shares = list(zip(ray_ranks[0]["step_indices"], ray_ranks[1]["step_indices"], strict=True))
+    assert [sorted(a + b) for a, b in shares] == [sorted(batch) for batch in global_batches]  # none lost or twice
+    assert any(len(a) != len(b) for a, b in shares)  # dealt by tokens, not by count
+    for ray_rank, plain_rank in zip(ray_ranks, plain, strict=True):
+        assert ray_rank["step_indices"] == plain_rank["step_indices"]
+        assert max_abs_difference(ray_rank["params"], plain_rank["params"]) == 0.0
+        h.assert_grads_close(ray_rank["step_grads"], plain_rank["step_grads"], rtol=0, atol=0)
+    initial, _ = model_and_data("balanced")
+    windows = [a + b for a, b in shares]
+    reference = h.replay_reference(initial, skewed_data(), windows, h.token_loss, lr=LR)
+    h.assert_grads_close(ray_ranks[0]["step_grads"], reference, **h.FP32)
