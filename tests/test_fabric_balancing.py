@@ -20,27 +20,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import tests.helpers as h
+from tests.test_fabric import Net, loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
-
-
-def _net() -> torch.nn.Module:
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layer = torch.nn.Linear(5, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(x)
-
-    return Net()
-
-
-def _token_loss(model, batch):  # through `model(...)`: DDP syncs in its own forward
-    per_token = (model(batch["x"]).squeeze(-1) - batch["y"]) ** 2
-    return (per_token * batch["mask"]).sum() / batch["mask"].sum().clamp(min=1)
 
 
 def _collate(samples):
@@ -56,7 +39,7 @@ def _setup(fabric, data, batch_sampler=None):
     from lightning_accum import FabricMicroBatching
     from lightning_accum.sequences import PaddedSequences
 
-    net = _net()
+    net = Net()
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     if batch_sampler is None:
         loader = DataLoader(data, batch_size=4, collate_fn=_collate)
@@ -77,7 +60,7 @@ def _train(fabric, data, make_sampler, seen, stop=None, state_path=None, resume_
         fabric.load(resume_from, {"model": model, "optimizer": optimizer, "accumulation": acc})
     while acc.epoch < 2:
         for batch in acc.batches(loader):
-            acc.step(batch, _token_loss)
+            acc.step(batch, loss_fn)
             optimizer.step()
             optimizer.zero_grad()
             seen.append(sorted(int(i) for i in batch["index"]))
@@ -166,7 +149,7 @@ def _main(case: str) -> None:
         _, _, loader, acc = _setup(fabric, data, BalancedBatchSampler(mine, 6, micro_batch_tokens=16))
         try:
             for batch in acc.batches(loader):
-                acc.step(batch, _token_loss)
+                acc.step(batch, loss_fn)
         except RuntimeError as error:
             print(f"REFUSED rank {rank}: {error}; no step ran: {acc.optimizer_steps == 0}", flush=True)
         dist.barrier()
@@ -177,13 +160,13 @@ def _main(case: str) -> None:
         return BalancedBatchSampler(lengths, 6, micro_batch_tokens=16, seed=5)
 
     # The uninterrupted run, each step checked against one full-batch pass over the step's global batch.
-    reference, sampler = _net(), make_sampler()
+    reference, sampler = Net(), make_sampler()
     model, optimizer, loader, acc = _setup(fabric, data, sampler)
     uneven, whole = 0, []
     while acc.epoch < 2:
         epoch = acc.epoch
         for step, batch in enumerate(acc.batches(loader)):
-            acc.step(batch, _token_loss)
+            acc.step(batch, loss_fn)
             shares: list = [None, None]
             dist.all_gather_object(shares, sorted(int(i) for i in batch["index"]))
             global_batch = sampler.global_batches(epoch)[step]
@@ -192,7 +175,7 @@ def _main(case: str) -> None:
             whole.append(shares)
             ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
             ref_opt.zero_grad()
-            _token_loss(reference, _collate([data[i] for i in global_batch])).backward()
+            loss_fn(reference, _collate([data[i] for i in global_batch])).backward()
             for p, r in zip(model.module.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
             ref_opt.step()
@@ -204,29 +187,11 @@ def _main(case: str) -> None:
     torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
 
     # Interrupted after 2 steps of epoch 1 (Fabric's save and load), then resumed with new objects.
-    path = fabric.broadcast(str(Path.cwd() / "state.ckpt"))
+    path = Path.cwd() / "state.ckpt"  # the ranks' working directory, the same for both
     first: list[list[int]] = []
-    model, optimizer, loader, acc = _setup(fabric, data, make_sampler())
-    stopped = False
-    while acc.epoch < 2 and not stopped:
-        for batch in acc.batches(loader):
-            acc.step(batch, _token_loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            first.append(sorted(int(i) for i in batch["index"]))
-            if (acc.epoch, acc.batch_in_epoch) == (1, 2):
-                fabric.save(path, {"model": model, "optimizer": optimizer, "accumulation": acc})
-                stopped = True
-                break
-    model, optimizer, loader, acc = _setup(fabric, data, make_sampler())
-    fabric.load(path, {"model": model, "optimizer": optimizer, "accumulation": acc})
     rest: list[list[int]] = []
-    while acc.epoch < 2:
-        for batch in acc.batches(loader):
-            acc.step(batch, _token_loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            rest.append(sorted(int(i) for i in batch["index"]))
+    _train(fabric, data, make_sampler, first, stop=(1, 2), state_path=path)
+    model = _train(fabric, data, make_sampler, rest, resume_from=path)
     assert first + rest == [shares[rank] for shares in whole], (first, rest)
     for p, r in zip(model.module.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
