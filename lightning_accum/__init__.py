@@ -1,17 +1,16 @@
 """Exact, memory-aware, schedulable gradient accumulation for PyTorch Lightning."""
 
-from lightning_accum._util import log
-from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
-from lightning_accum.front_ends.accumulation_scheduler import AccumulationScheduler
-from lightning_accum.front_ends.auto_micro_batching import AutoMicroBatching
-from lightning_accum.front_ends.fabric import FabricAccumulation, FabricMicroBatching
-from lightning_accum.front_ends.manual import ManualAccumulation
-from lightning_accum.probe.preflight import in_preflight
+from lightning_accum._util import log, moved
+from lightning_accum.callbacks import AccumulationMonitor, AccumulationScheduler, AutoMicroBatching
+from lightning_accum.fabric import FabricAccumulation, FabricMicroBatching
+from lightning_accum.manual import ManualAccumulation
 from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, ConstantSchedule, Progress, StepwiseSchedule
+from lightning_accum.split.preflight import in_preflight
 
 __version__ = "0.1.0"
 
 log.configure()
+moved.install()
 
 __all__ = [
     "AccumulationMonitor",

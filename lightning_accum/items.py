@@ -160,7 +160,7 @@ class CountTokens:
 
 
 class CountSamples:
-    """Counts samples, as the callbacks do by default: `lightning_accum.splitting.batch_size_of`.
+    """Counts samples, as the callbacks do by default: `lightning_accum.batches.batch_size_of`.
 
     It exists so that a config can name the default explicitly, or a base class can override it.
 

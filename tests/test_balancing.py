@@ -1,5 +1,5 @@
-"""The deal of a step's global batch to the ranks (`lightning_accum.split.balancing`) and `BalancedBatchSampler` on its
-own: balance against the best possible deal, world-size independence, determinism, drop_last, resume, Lightning's
+"""The deal of a step's global batch to the ranks (`lightning_accum.sequences.balancing`) and `BalancedBatchSampler` on
+its own: balance against the best possible deal, world-size independence, determinism, drop_last, resume, Lightning's
 rebuild.
 """
 
@@ -15,10 +15,9 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_accum.sequences import BalancedBatchSampler
-from lightning_accum.split import balancing, tokens
-from lightning_accum.split.share_prices import share_prices
-from lightning_accum.split.tokens import TokenCut
+from lightning_accum.sequences import BalancedBatchSampler, balancing, token_cut
+from lightning_accum.sequences.share_prices import share_prices
+from lightning_accum.sequences.token_cut import TokenCut
 from tests.token_models import TokenSequences, pad_right
 
 
@@ -235,7 +234,7 @@ def test_many_shares_priced_at_once_are_step_costs_prices_to_the_bit():
 
 
 def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
-    assert balancing.MICRO_BATCH_COST == tokens.MICRO_BATCH_COST
+    assert balancing.MICRO_BATCH_COST == token_cut.MICRO_BATCH_COST
     for seed, budget in itertools.product(range(30), (64, 512, 1024)):
         lengths = bench_lengths(3 + seed % 14, seed)
         cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)

@@ -25,10 +25,9 @@ from lightning_accum import AccumulationMonitor, keys
 from lightning_accum.callbacks import BalancedSamplerState
 from lightning_accum.cli.report import load_series
 from lightning_accum.memory.oom import OOMFault
-from lightning_accum.sequences import BalancedBatchSampler
-from lightning_accum.split import balancing
-from lightning_accum.split.balanced_sampler import ranks_deal_apart as balancing_agreement
-from lightning_accum.split.balancing import PASS_COST_TOKENS
+from lightning_accum.sequences import BalancedBatchSampler, balancing
+from lightning_accum.sequences.balanced_sampler import ranks_deal_apart as balancing_agreement
+from lightning_accum.sequences.balancing import PASS_COST_TOKENS
 from tests.test_ddp import load_ranks
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
 from tests.test_fsdp2_tokens import ShardedCausalLM

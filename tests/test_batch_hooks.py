@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_accum.splitting import BatchHooks, MicroBatch, batch_size_of, resolve_batch_hooks, split_batch
+from lightning_accum.batches import BatchHooks, MicroBatch, batch_size_of, resolve_batch_hooks, split_batch
 
 
 class Packed:

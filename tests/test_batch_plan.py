@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tests.helpers as h
-from lightning_accum.splitting import (
+from lightning_accum.batches import (
     BatchPlan,
     MicroBatch,
     SequenceTrim,

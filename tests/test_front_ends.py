@@ -54,10 +54,10 @@ from lightning_accum import (
     FabricMicroBatching,
     ManualAccumulation,
 )
+from lightning_accum.callbacks._owner import find_owner
 from lightning_accum.core.engine import AccumulationEngine, ScheduleDriver
-from lightning_accum.front_ends._owner import find_owner
 from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp, Progress, StepwiseSchedule, as_schedule
-from lightning_accum.split.planner_settings import PlannerSettings
+from lightning_accum.split.planner.settings import PlannerSettings
 from tests.test_uneven_ranks import RankBatches, rank_batches
 
 LR = 0.1

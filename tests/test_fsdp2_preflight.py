@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 
 import tests.helpers as h
 from lightning_accum import AutoMicroBatching, _compat
+from lightning_accum.batches import split_batch
 from lightning_accum.memory.tracker import MemoryTracker
-from lightning_accum.probe.preflight import preflight
-from lightning_accum.splitting import split_batch
+from lightning_accum.split.preflight import preflight
 from tests.test_fsdp2 import WORLD_SIZE, _free_port, start_worker
 from tests.test_fsdp2_split import SplitShardedModel
 

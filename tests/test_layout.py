@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_accum
+from lightning_accum._util.moved import MOVED
 
 PACKAGE = Path(lightning_accum.__file__).parent
 MAX_MODULE_LINES = 500
@@ -34,7 +39,7 @@ PUBLIC_PATHS = {
     "lightning_accum.integrations.wandb": ["read_offline_run"],
     "lightning_accum.keys": ["BATCH_KEYS"],
 }
-ROOT_MODULES = {"__init__.py", "fabric.py", "items.py", "keys.py", "manual.py", "schedules.py", "sequences.py"}
+ROOT_MODULES = {"__init__.py", "fabric.py", "items.py", "keys.py", "manual.py", "schedules.py"}
 """The package root's modules: the public faces; everything else lives in a folder."""
 
 
@@ -129,3 +134,73 @@ def test_the_circle_check_finds_a_circle_inside_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- issue 34: one path per public class, the old paths still import, a cheap import, thin front ends -------------
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_every_moved_path_of_the_last_release_still_imports_the_same_objects(old):
+    new = importlib.import_module(MOVED[old])
+    with pytest.warns(DeprecationWarning, match=f"`{re.escape(old)}` moved to `{re.escape(MOVED[old])}`"):
+        sys.modules.pop(old, None)
+        stand_in = importlib.import_module(old)
+    public = [name for name in dir(new) if not name.startswith("_")]
+    assert public, f"{MOVED[old]} has no public names to forward"
+    assert all(getattr(stand_in, name) is getattr(new, name) for name in public)
+
+
+def test_a_moved_path_names_only_paths_that_are_gone_and_targets_that_exist():
+    assert all(not (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists() for old in MOVED)
+    assert all(importlib.util.find_spec(new) is not None for new in MOVED.values())
+
+
+def test_each_public_class_has_one_home_module_named_after_it():
+    homes = {
+        "AccumulationMonitor": "lightning_accum.callbacks.accumulation_monitor",
+        "AccumulationScheduler": "lightning_accum.callbacks.accumulation_scheduler",
+        "AutoMicroBatching": "lightning_accum.callbacks.auto_micro_batching",
+        "BalancedSamplerState": "lightning_accum.callbacks.balanced_sampler_state",
+        "FabricAccumulation": "lightning_accum.fabric",
+        "FabricMicroBatching": "lightning_accum.fabric",
+        "ManualAccumulation": "lightning_accum.manual",
+        "PaddedSequences": "lightning_accum.sequences.padded",
+        "BalancedBatchSampler": "lightning_accum.sequences.balanced_sampler",
+    }
+    found = {}
+    for name in homes:
+        for face in ("lightning_accum", "lightning_accum.callbacks", "lightning_accum.sequences"):
+            obj = getattr(importlib.import_module(face), name, None)
+            if obj is not None:
+                found[name] = obj.__module__
+    assert found == homes
+
+
+def test_importing_the_package_loads_neither_the_probe_nor_the_command_line():
+    code = "import sys, lightning_accum; print(sorted(m for m in sys.modules if m.startswith('lightning_accum')))"
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert [m for m in loaded if m.startswith(("lightning_accum.probe", "lightning_accum.cli"))] == []
+    assert "lightning_accum.split.preflight" in loaded  # what `in_preflight` needs, and no more of the tool
+
+
+FRONT_ENDS = [
+    "lightning_accum.callbacks.auto_micro_batching",
+    "lightning_accum.callbacks.accumulation_scheduler",
+    "lightning_accum.callbacks.accumulation_monitor",
+    "lightning_accum.fabric",
+    "lightning_accum.manual",
+]
+MAX_FRONT_END_IMPORTS = 12
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_a_front_end_is_glue_over_at_most_12_of_the_package_modules(front_end):
+    deps = import_graph(_modules())[front_end]
+    assert len(deps) <= MAX_FRONT_END_IMPORTS, sorted(deps)
+
+
+def test_no_two_folders_differ_by_a_suffix_and_no_two_modules_share_a_name():
+    folders = sorted(p.name for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")
+    stems = [p.stem for p in PACKAGE.rglob("*.py") if p.stem != "__init__"]
+    assert [(a, b) for a in folders for b in folders if a != b and b.startswith(a)] == []
+    assert sorted({s for s in stems if stems.count(s) > 1}) == []

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import tests.helpers as h
-from lightning_accum.sequences import BalancedBatchSampler
-from lightning_accum.split import balancing
-from lightning_accum.split.pass_timing import fit_step_cost, measure_step_cost, pass_shapes, time_passes
+from lightning_accum.sequences import BalancedBatchSampler, balancing
+from lightning_accum.sequences.pass_timing import fit_step_cost, measure_step_cost, pass_shapes, time_passes
 from tests.test_fsdp2 import _free_port
 
 LENGTHS = [min(512, max(8, round(math.exp(random.Random(i).gauss(math.log(64), 0.9))))) for i in range(400)]

@@ -11,8 +11,8 @@ from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
-from lightning_accum.split.planner_messages import MicroBatchOOMError
-from lightning_accum.split.simulation import SimulationResult, simulate
+from lightning_accum.split.planner.messages import MicroBatchOOMError
+from lightning_accum.split.planner.simulation import SimulationResult, simulate
 from tests.helpers import TokenModel, token_loss
 
 CAPACITY = 16 * GIB
@@ -381,7 +381,7 @@ def test_a_fitted_model_settles_without_any_oom():
 def test_a_preflight_start_settles_without_any_oom(trace_error):
     # The pre-flight's trace sees the per-sample memory to within +-8% (the margin keeps 10% of the free memory); the
     # device holds FIXED already (current) and the trace's baseline is 0. Cold, the planner needs 3 OOMs to settle.
-    from lightning_accum.probe.preflight import Preflight
+    from lightning_accum.split.preflight import Preflight
 
     model = LinearPeakModel()
     for b in (64, 128):

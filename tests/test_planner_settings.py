@@ -13,8 +13,8 @@ import pytest
 from lightning_accum import AutoMicroBatching
 from lightning_accum.memory.budget import GIB
 from lightning_accum.split.planner import MicroBatchPlanner
-from lightning_accum.split.planner_settings import PlannerSettings
-from lightning_accum.split.simulation import simulate
+from lightning_accum.split.planner.settings import PlannerSettings
+from lightning_accum.split.planner.simulation import simulate
 
 DEFAULTS: dict[str, Any] = {
     "micro_batch_size": "auto",

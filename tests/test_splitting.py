@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accum.splitting import batch_size_of, num_micro_batches, split_batch
+from lightning_accum.batches import batch_size_of, num_micro_batches, split_batch
 from tests.helpers import ReadOnlyMapping, assert_same
 
 B = 10

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_accum.splitting import batch_size_of, split_batch
+from lightning_accum.batches import batch_size_of, split_batch
 from tests.helpers import assert_same
 
 

@@ -12,13 +12,13 @@ from torch.utils.data import DataLoader
 
 import tests.helpers as h
 from lightning_accum import AutoMicroBatching
+from lightning_accum.batches import SequenceTrim
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.sequences import PaddedSequences
+from lightning_accum.sequences.token_cut import MICRO_BATCH_COST, TokenCut
 from lightning_accum.split import tokens
-from lightning_accum.split.planner_messages import MicroBatchOOMError
-from lightning_accum.split.tokens import MICRO_BATCH_COST, TokenCut
-from lightning_accum.splitting import SequenceTrim
+from lightning_accum.split.planner.messages import MicroBatchOOMError
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
 LR = 0.1

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 
 
 class _Model(pl.LightningModule):

@@ -7,12 +7,13 @@ blocks) on log-normal lengths (median 64, 8 to 512 tokens). Every step, the same
 sequences is dealt at random (in stride over the seeded permutation, as ``DistributedSampler`` deals) or by cost
 (`lightning_accum.sequences.BalancedBatchSampler.deal` with ``micro_batch_tokens=BUDGET``: each rank's share priced as
 its cut costs, with the pass cost fitted on this machine, below); each rank cuts its share as split mode by tokens does
-(`lightning_accum.split.tokens.TokenCut`, longest first, trimmed), runs every micro-batch's forward and backward, sums
-the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token mean over the
-global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time (forward and
-backward) can be timed apart from the wait at the sync. Each repeat runs the epoch's steps, and at every step each
-deal's in turn (the order alternating step by step), so that the machine's ups and downs in the middle of a repeat
-move every deal alike; a step is timed from a barrier (where the previous step's sync leaves the ranks) to the end of
+(`lightning_accum.sequences.token_cut.TokenCut`, longest first, trimmed), runs every micro-batch's forward and
+backward, sums the token-summed loss's gradients, and all-reduces them once (the step's sync; the update is the token
+mean over the global batch). The loop is written out by hand, not through the Trainer, so that the ranks' compute time
+(forward and backward) can be timed apart from the wait at the sync. Each repeat runs the epoch's steps, and at every
+step each deal's in turn (the order alternating step by step), so that the machine's ups and downs in the middle of a
+repeat move every deal alike; a step is timed from a barrier (where the previous step's sync leaves the ranks) to the
+end of
 its sync, its deal included. Reported: the slowest rank's compute time over the mean (median over steps and repeats:
 a step as it ran, what the sync waits for), the same of each share's compute time taken as the median of its repeats
 (the ranks swap shares every other repeat, so both cores run both: a core slower than the other through a run moves
@@ -32,7 +33,7 @@ steps, comes to 1.21 and 1.23 there: near the long run's.
 micro-batches of shares drawn from log-normal lengths apart from the run's), each the fastest of 7 passes, the shapes
 taking turns, and fits a pass's time as ``a + b * padded_tokens + c * rows * length ** 2`` (least squares on the
 relative error); every rank takes rank 0's fit of both ranks' mean times. In the sampler's units, tokens:
-``pass_cost_tokens = a / b`` and ``quadratic = b / c`` (`lightning_accum.split.balancing.StepCost.of` prices a
+``pass_cost_tokens = a / b`` and ``quadratic = b / c`` (`lightning_accum.sequences.balancing.StepCost.of` prices a
 micro-batch as ``pass_cost_tokens + rows * longest + rows * longest ** 2 / quadratic`` tokens). Both the measured deal
 by cost and the simulated one use these figures. Timed in the main process alone (before), the fit met another machine
 than the ranks': two processes on two cores, and the measured compute balanced to 1.05-1.07.
@@ -69,11 +70,10 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_accum.sequences import BalancedBatchSampler
-from lightning_accum.split import balancing
-from lightning_accum.split.balancing import StepCost
-from lightning_accum.split.pass_timing import measure_step_cost, pass_shapes
-from lightning_accum.split.tokens import TokenCut
+from lightning_accum.sequences import BalancedBatchSampler, balancing
+from lightning_accum.sequences.balancing import StepCost
+from lightning_accum.sequences.pass_timing import measure_step_cost, pass_shapes
+from lightning_accum.sequences.token_cut import TokenCut
 
 VOCAB, DIM, HEADS, MAX_LEN = 256, 64, 4, 512
 BUDGET = 1024  # padded tokens a micro-batch

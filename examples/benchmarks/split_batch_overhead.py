@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 python examples/benchmarks/split_batch_overhead.py [--baseline REV] [--repeats 15]
 
-The one-file ``lightning_accum/splitting.py`` of the git revision ``--baseline`` is loaded next to the working tree's
-``lightning_accum.splitting``, in the same process, and both are timed on the same batches, interleaved call block by
+The one-file ``lightning_accum/batches.py`` of the git revision ``--baseline`` is loaded next to the working tree's
+``lightning_accum.batches``, in the same process, and both are timed on the same batches, interleaved call block by
 call block: a flat dict of tensors (a tokenized step batch), a flat ``(x, y)`` tuple (what window mode counts every
 micro-batch), a nested batch (dicts, a list of fields, raw texts, shared values) and a detection batch (a list of
 ``(image, target)`` samples). It prints each one's microseconds per call in its fastest block (the one the machine
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-import lightning_accum.splitting as after
+import lightning_accum.batches as after
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _baseline(revision: str, folder: str) -> ModuleType:
     """The one-file splitting module of ``revision``, loaded under another name (its imports are the package's)."""
     source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{revision}:lightning_accum/splitting.py"],
+        ["git", "-C", str(ROOT), "show", f"{revision}:lightning_accum/batches.py"],
         check=True,
         capture_output=True,
         text=True,
@@ -89,9 +89,7 @@ def _per_call(call: Callable[[], Any], number: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--baseline", default="1f5356b", help="a revision whose lightning_accum/splitting.py is one file"
-    )
+    parser.add_argument("--baseline", default="1f5356b", help="a revision whose lightning_accum/batches.py is one file")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--only", default="", help="run only the cases whose name contains this, e.g. nested")
     args = parser.parse_args()
@@ -99,7 +97,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         before = _baseline(args.baseline, folder)
         print(
-            f"lightning_accum/splitting.py of {args.baseline} vs the working tree: microseconds per call, fastest block"
+            f"lightning_accum/batches.py of {args.baseline} vs the working tree: microseconds per call, fastest block"
         )
         for name, (batch, micro) in _cases().items():
             if args.only not in name:

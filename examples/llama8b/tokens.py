@@ -27,7 +27,7 @@ from examples.llama8b.table import GPU, GPUS, GiB, MiB
 from lightning_accum.probe.token_report import percent
 from lightning_accum.probe.token_result import TokenProbeResult
 from lightning_accum.probe.tokens import probe_tokens
-from lightning_accum.split.tokens import TokenCut
+from lightning_accum.sequences.token_cut import TokenCut
 
 LENGTHS = (1024, 2048, 4096)
 SIZES = (1, 2, 4)

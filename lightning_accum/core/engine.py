@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_accum.batches import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.core.normalization import (
     ItemCounter,
@@ -36,7 +37,6 @@ from lightning_accum.core.normalization import (
 from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.items import resolve_counter
 from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
-from lightning_accum.splitting import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 
 STATE_VERSION = 2
 """Version 2: the engine's own state. Version 1 (the owners' flat state) still loads."""

@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_accum._util.validation import check_choice
 
 # `batch_size_of` reads a batch the way `split_batch` cuts it, so it lives with it; it is part of this module's API.
-from lightning_accum.splitting import batch_size_of as batch_size_of
+from lightning_accum.batches import batch_size_of as batch_size_of
 
 LossReduction = Literal["mean", "sum"]
 # Returns a non-negative int, float, NumPy number or single-element tensor. The return type stays `Any` on purpose:

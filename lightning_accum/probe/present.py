@@ -1,6 +1,6 @@
 """What the probe says about either result, by its kind: the sentences, the table, the JSON, the snippet, the plot.
 
-`lightning_accum.probe.report` presents a `lightning_accum.probe.result.ProbeResult` (by samples) and
+`lightning_accum.probe.sample_report` presents a `lightning_accum.probe.result.ProbeResult` (by samples) and
 `lightning_accum.probe.token_report` a `lightning_accum.probe.token_result.TokenProbeResult` (by tokens); the result
 types hold what was measured and import no presentation.
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lightning_accum.probe import report, token_report
+from lightning_accum.probe import sample_report as report
+from lightning_accum.probe import token_report
 from lightning_accum.probe.result import ProbeResult
 from lightning_accum.probe.token_result import TokenProbeResult
 

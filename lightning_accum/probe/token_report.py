@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from lightning_accum.memory.sizes import FACTORS, format_size, size_unit
-from lightning_accum.probe import report
+from lightning_accum.probe import sample_report as report
 
 if TYPE_CHECKING:
     from pathlib import Path

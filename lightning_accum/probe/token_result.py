@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe.result import ProbeMeasurement
-from lightning_accum.split.tokens import TokenCut
+from lightning_accum.sequences.token_cut import TokenCut
 
 
 @dataclass(frozen=True)

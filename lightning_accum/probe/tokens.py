@@ -17,7 +17,7 @@ positions and predicted at odd ones, so the held-out shapes hold other lengths a
 per-token cost that ignores the length) on the same shapes says what the ``T x L`` term is worth.
 
 The micro-batches are cut from one step batch of the user's data, as split mode cuts them: ``n`` of its samples,
-every sequence field trimmed to ``L`` (`lightning_accum.splitting.SequenceTrim`), so any length up to the batch's
+every sequence field trimmed to ``L`` (`lightning_accum.batches.SequenceTrim`), so any length up to the batch's
 padded length can be measured. The step batch's own lengths then say what the recommended budget costs in padding
 against split mode by samples (`TokenProbeResult.step_batch`).
 """
@@ -33,6 +33,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import Unpack
 
 from lightning_accum._util.validation import check_int
+from lightning_accum.batches import SequenceTrim
 from lightning_accum.memory.model import SequencePeakModel
 from lightning_accum.probe import measure
 from lightning_accum.probe.measure import _Setup
@@ -41,8 +42,7 @@ from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.probe.token_result import TokenMeasurement, TokenProbeResult
 from lightning_accum.sequences import PaddedSequences
-from lightning_accum.split.tokens import TokenCut
-from lightning_accum.splitting import SequenceTrim
+from lightning_accum.sequences.token_cut import TokenCut
 
 
 @dataclass(frozen=True)

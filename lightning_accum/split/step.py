@@ -35,15 +35,15 @@ from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.sequences import PaddedSequences
-from lightning_accum.split.balancing import PASS_COST_TOKENS
+from lightning_accum.sequences.balancing import PASS_COST_TOKENS
+from lightning_accum.sequences.token_cut import TokenCut, TokenStats, check_items_kept
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
-from lightning_accum.split.tokens import TokenCut, TokenStats, check_items_kept
 
 
 class StepHost(HasRanks, Protocol):
-    """What the runner reads of its framework: the `Trainer`, or Fabric's (`lightning_accum._compat.fabric`)."""
+    """What the runner reads of its framework: the `Trainer`, or Fabric's (`lightning_accum._compat.fabric_host`)."""
 
     @property
     def global_rank(self) -> int: ...
@@ -124,7 +124,7 @@ class SplitStepRunner:
     """Runs split mode's steps for one ``fit``: built at the start of training, called by Lightning as the closure.
 
     Args:
-        trainer: the Trainer (or Fabric's stand-in for it, `lightning_accum._compat.fabric.FabricHost`).
+        trainer: the Trainer (or Fabric's stand-in for it, `lightning_accum._compat.fabric_host.FabricHost`).
         engine: the owner's accumulation engine (batch hooks, counting, weights).
         sequences: where the batch's sequences are, to cut by tokens (`lightning_accum.sequences`); ``None`` cuts by
             samples.
@@ -186,8 +186,8 @@ class SplitStepRunner:
         """What this rank's step cost, the figure the ranks' balance compares (`RankBalance`).
 
         By tokens, the padded tokens its micro-batches computed plus a pass's fixed cost for each
-        (`lightning_accum.split.balancing.PASS_COST_TOKENS`), as `lightning_accum.sequences.BalancedBatchSampler` prices
-        a rank's share; by samples, its samples (a sample costs the same on every rank when nothing is trimmed).
+        (`lightning_accum.sequences.balancing.PASS_COST_TOKENS`), as `lightning_accum.sequences.BalancedBatchSampler`
+        prices a rank's share; by samples, its samples (a sample costs the same on every rank when nothing is trimmed).
         """
         if self.tokens is None:
             return self.step_batch_size

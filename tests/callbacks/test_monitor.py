@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, keys
+from lightning_accum.callbacks._owner import AccumulationOwner
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.core.step_report import AccumulationEvent, StepReport
-from lightning_accum.front_ends._owner import AccumulationOwner
-from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import CONFIG_KEY, STEP_METRIC, read_offline_run
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitor.rows import BUDGET_FRACTION
@@ -358,7 +358,7 @@ def test_ddp_logs_global_totals_and_the_max_peak_over_ranks(tmp_path, owner):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_split_mode_with_auto_micro_batching(tmp_path, loss_reduction):
-    from lightning_accum.front_ends.auto_micro_batching import AutoMicroBatching
+    from lightning_accum.callbacks.auto_micro_batching import AutoMicroBatching
 
     # Step batches of 10 cut into micro-batches of 4, 4 and 2: the window loss is the item-weighted mean over all 10.
     n, step_batch, micro = 10, 10, 4
@@ -1107,7 +1107,7 @@ def test_ddp_split_by_tokens_logs_the_padding_of_all_ranks_and_rank_zeros_micro_
     from lightning_accum import AutoMicroBatching
     from lightning_accum.items import CountTokens
     from lightning_accum.sequences import PaddedSequences
-    from lightning_accum.split.tokens import TokenCut
+    from lightning_accum.sequences.token_cut import TokenCut
     from tests.test_token_split_ddp import LONG, SHORT
     from tests.test_uneven_ranks import RankBatches
     from tests.token_models import TinyCausalLM, TokenSequences, pad_right

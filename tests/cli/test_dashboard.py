@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 import tests.helpers as h
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
-from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import (
     USER_SECTION,
     read_offline_run,

@@ -11,9 +11,9 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
+from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
 from lightning_accum.cli.report import Series, build_figure, load_series, summarize, user_loss_keys, write_report
-from lightning_accum.front_ends.accumulation_monitor import AccumulationMonitor
 from lightning_accum.integrations.wandb import find_run_file, layout_keys, read_offline_run
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.monitor.rows import BUDGET_FRACTION

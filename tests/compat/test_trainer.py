@@ -195,7 +195,7 @@ def test_report_device_makes_self_device_read_it_without_moving_anything():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# outside `_compat`: `lightning_accum/probe/preflight.py` reads `LightningModule._trainer` (None when detached)
+# outside `_compat`: `lightning_accum/split/preflight.py` reads `LightningModule._trainer` (None when detached)
 # ---------------------------------------------------------------------------------------------------------------
 class _SeesItsTrainer(RegressionModel):
     def on_train_start(self) -> None:

@@ -14,7 +14,7 @@ import math
 import pytest
 
 import tests.helpers as h
-from lightning_accum.split import balancing
+from lightning_accum.sequences import balancing
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(900)]
 

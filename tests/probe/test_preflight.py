@@ -14,12 +14,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from examples.char_lm.data import CharLMDataModule
 from examples.char_lm.model import CharLM
 from lightning_accum import AutoMicroBatching
+from lightning_accum.batches import split_batch
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.tracker import MemoryTracker
-from lightning_accum.probe.measure import optimizers_of, train_step
-from lightning_accum.probe.preflight import TRACED_TRAINING_STEPS, Preflight, in_preflight, preflight
+from lightning_accum.memory.training_step import optimizers_of, train_step
 from lightning_accum.probe.resolve import batch_factory
-from lightning_accum.splitting import split_batch
+from lightning_accum.split.preflight import TRACED_TRAINING_STEPS, Preflight, in_preflight, preflight
 from tests.helpers import make_trainer
 from tests.probe.models import _Stack
 

@@ -8,7 +8,8 @@ import pytest
 
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.probe import ProbeMeasurement, ProbeResult, present, probe_memory, report
+from lightning_accum.probe import ProbeMeasurement, ProbeResult, present, probe_memory
+from lightning_accum.probe import sample_report as report
 from tests.probe import models
 
 

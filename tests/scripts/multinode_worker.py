@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, AutoMicroBatching
-from lightning_accum.front_ends._owner import find_owner
+from lightning_accum.callbacks._owner import find_owner
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from tests.helpers import TokenDataset, TokenModel, count_tokens, ddp_strategy, quiet_trainer_kwargs
 

@@ -1,6 +1,6 @@
 """`SequenceTrim`: how a micro-batch's sequence fields are shortened to its longest sequence. Pure.
 
-`lightning_accum.splitting.plan.BatchPlan.take` applies it, through the walker (`lightning_accum.splitting._walk`).
+`lightning_accum.batches.plan.BatchPlan.take` applies it, through the walker (`lightning_accum.batches._walk`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class SequenceTrim:
 
     Examples:
         >>> import torch
-        >>> from lightning_accum.splitting import plan_batch
+        >>> from lightning_accum.batches import plan_batch
         >>> plan = plan_batch({"input_ids": torch.zeros(4, 9), "labels": torch.zeros(4, 9), "score": torch.zeros(4)})
         >>> {k: tuple(v.shape) for k, v in plan.take([2, 0], trim=SequenceTrim(1, 9, 5)).items()}
         {'input_ids': (2, 5), 'labels': (2, 5), 'score': (2,)}

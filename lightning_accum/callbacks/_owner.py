@@ -19,11 +19,11 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
+from lightning_accum.batches import BatchHooks
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
-from lightning_accum.splitting import BatchHooks
 
 log = logging.getLogger("lightning_accum")
 

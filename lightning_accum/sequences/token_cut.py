@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.splitting import BatchPlan, MicroBatch, RowOrder, SequenceTrim, plan_batch
+from lightning_accum.batches import BatchPlan, MicroBatch, RowOrder, SequenceTrim, plan_batch
 
 MICRO_BATCH_COST = 32
 """A micro-batch costs as much as ``budget // MICRO_BATCH_COST`` padded tokens beyond its own (see `TokenCut.groups`).
@@ -45,7 +45,7 @@ class TokenCut:
     budget without reading it again.
 
     Attributes:
-        plan: the step batch's `lightning_accum.splitting.BatchPlan`; ``None`` for a cut made only for its figures
+        plan: the step batch's `lightning_accum.batches.BatchPlan`; ``None`` for a cut made only for its figures
             (`stats`), as the probe's report makes one.
         order: sample indices, longest sequence first.
         lengths: the sequences' lengths in that order.

@@ -26,7 +26,7 @@ class PlannerSettings:
         micro_batch_size: ``"auto"`` starts from the whole step batch (or from the memory model's answer when it is
             already fitted, e.g. after a pre-flight trace or a probe); an int starts there.
         min_micro_batch_size: never go below this; an OOM at this size raises
-            `lightning_accum.split.planner_messages.MicroBatchOOMError` with the memory figures.
+            `lightning_accum.split.planner.messages.MicroBatchOOMError` with the memory figures.
         pin_micro_batch_size: treat the int ``micro_batch_size`` as fixed: no shrinking on memory pressure and no
             growing past it. An OOM still shrinks it (the alternative is a crash), and it grows back to it after the
             cool-down.

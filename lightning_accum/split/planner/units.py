@@ -22,7 +22,7 @@ from typing import Literal
 
 from lightning_accum._util.validation import check_int
 from lightning_accum.memory.model import LinearPeakModel, SequencePeakModel
-from lightning_accum.split.planner_settings import PlannerSettings
+from lightning_accum.split.planner.settings import PlannerSettings
 
 PeakModel = LinearPeakModel | SequencePeakModel
 
@@ -65,9 +65,10 @@ class Samples:
 class Tokens(Samples):
     """Sizes count padded tokens: the token budget of `lightning_accum.sequences.PaddedSequences` split mode.
 
-    The split cuts each step batch into micro-batches within the budget (`lightning_accum.split.tokens.TokenCut`), so a
-    budget is used as it is, not balanced. Before each decision the caller sets `longest`, the step's longest
-    sequence (the largest over ranks): it is the smallest useful budget, and the length the peak model costs.
+    The split cuts each step batch into micro-batches within the budget
+    (`lightning_accum.sequences.token_cut.TokenCut`), so a budget is used as it is, not balanced. Before each decision
+    the caller sets `longest`, the step's longest sequence (the largest over ranks): it is the smallest useful budget,
+    and the length the peak model costs.
 
     Examples:
         >>> unit = Tokens()

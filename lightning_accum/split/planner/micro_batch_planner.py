@@ -14,7 +14,7 @@ How sizes are chosen:
   ``B = 100`` with ``b_fit = 40`` runs 34 + 34 + 32, not 40 + 40 + 20. Sizes that divide ``B`` exactly are not
   required; a prime ``B`` would otherwise force ``b = 1``.
 * **Predict, don't probe.** Each step's peak is fed to a `lightning_accum.memory.model.LinearPeakModel` (split by
-  tokens, a `lightning_accum.memory.model.SequencePeakModel`, through the unit, `lightning_accum.split.planner_units`).
+  tokens, a `lightning_accum.memory.model.SequencePeakModel`, through the unit, `lightning_accum.split.planner.units`).
   Once it has two sizes it answers "the largest ``b`` whose predicted peak fits the budget" directly. With a single
   measurement, growing by ``b * budget / peak`` is still safe, because a fixed part >= 0 makes the peak grow
   less than proportionally. When a measurement is far off the model (a new phase of training: longer sequences),
@@ -40,7 +40,7 @@ How sizes are chosen:
   sequences does not shrink it below the floor just announced.
 
 The settings (``grow_patience``, ``oom_cooldown``, ...) and their defaults are `PlannerSettings`
-(`lightning_accum.split.planner_settings`).
+(`lightning_accum.split.planner.settings`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from lightning_accum._util.validation import check_int, check_number
 from lightning_accum.memory.sizes import format_size, format_sizes
-from lightning_accum.split.planner_history import PlannerHistory, optional
-from lightning_accum.split.planner_messages import at_floor, out_of_memory_error, out_of_reach
-from lightning_accum.split.planner_settings import PlannerSettings
-from lightning_accum.split.planner_units import PeakModel, Samples
+from lightning_accum.split.planner.history import PlannerHistory, optional
+from lightning_accum.split.planner.messages import at_floor, out_of_memory_error, out_of_reach
+from lightning_accum.split.planner.settings import PlannerSettings
+from lightning_accum.split.planner.units import PeakModel, Samples
 
 PlannerEventKind = Literal["oom_recovered", "shrink", "grow"]
 _STATE_VERSION = 1
@@ -144,7 +144,7 @@ class MicroBatchPlanner:
         **keywords: Any,
     ) -> None:
         self.settings = _settings_from(settings, keywords)
-        self.unit = unit or Samples()  # what a size counts (`lightning_accum.split.planner_units`)
+        self.unit = unit or Samples()  # what a size counts (`lightning_accum.split.planner.units`)
         if budget_bytes is not None:
             budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
         self.budget_bytes: float | None = budget_bytes

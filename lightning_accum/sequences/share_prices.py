@@ -1,6 +1,6 @@
 """Many ranks' shares priced by their real cut at once: `StepCost.of`, batched in tensors. Pure.
 
-`lightning_accum.split.balancing.refine` prices every candidate move of a round (thousands of shares of a few
+`lightning_accum.sequences.balancing.refine` prices every candidate move of a round (thousands of shares of a few
 sequences each, on 512 ranks) by the cut split by tokens would make of it. One share at a time in Python, that was
 seconds a step; here a round's shares are cut together, one tensor column of the shortest-path cut at a time.
 

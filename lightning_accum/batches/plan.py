@@ -1,6 +1,6 @@
 """A batch read once into a plan, and cut by that plan: contiguous micro-batches, or any samples in any order.
 
-`plan_batch` reads the batch (see `lightning_accum.splitting` for the rules) into a `BatchPlan`, which knows what is
+`plan_batch` reads the batch (see `lightning_accum.batches` for the rules) into a `BatchPlan`, which knows what is
 per-sample (tensors' rows, lists of entries) and what is shared. `BatchPlan.take` cuts any samples out of it with one
 walker: a range gives views of the batch's tensors, any other list of indices gives copies (``index_select``), and a
 `SequenceTrim` also shortens the sequence fields. `split_batch` and `batch_size_of` are the plan's two common uses.
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.splitting._reading import (
+from lightning_accum.batches._reading import (
     Kind,
     Node,
     Reading,
@@ -26,8 +26,8 @@ from lightning_accum.splitting._reading import (
     read_batch,
     walk,
 )
-from lightning_accum.splitting._walk import Pick, RebuildError, RowOrder, as_selection, take
-from lightning_accum.splitting.trim import SequenceTrim
+from lightning_accum.batches._walk import Pick, RebuildError, RowOrder, as_selection, take
+from lightning_accum.batches.trim import SequenceTrim
 
 _NOT_CUT = (
     "Cannot split a batch of type {name}: the built-in rules cut tensors, mappings, sequences, namedtuples and"
@@ -48,7 +48,7 @@ class BatchPlan:
 
     Made by `plan_batch`. Every cut walks the plan, never the batch's structure again; the batch's tensors are cut
     along dim 0, its lists of entries (one per sample) by entry, and shared values are given as they are (the same
-    object, not a copy). Containers are rebuilt with their own type (see `lightning_accum.splitting`).
+    object, not a copy). Containers are rebuilt with their own type (see `lightning_accum.batches`).
 
     Examples:
         >>> batch = {"x": torch.arange(10).view(5, 2), "text": list("abcde"), "lr": torch.tensor(0.1)}
@@ -245,7 +245,7 @@ def num_micro_batches(step_batch_size: int, micro_batch_size: int) -> int:
 def batch_size_of(batch: Any) -> int:
     """Number of samples in a batch: the first dimension of its tensors that have one, or its number of entries.
 
-    See `lightning_accum.splitting` for how each kind of element is read; `split_batch` reads the batch the same way.
+    See `lightning_accum.batches` for how each kind of element is read; `split_batch` reads the batch the same way.
 
     Raises:
         ValueError: the batch's tensors disagree on their first dimension (the message names them and their
@@ -270,7 +270,7 @@ def split_batch(batch: Any, micro_batch_size: int, *, batch_size: int | None = N
     """Cut ``batch`` into micro-batches of ``micro_batch_size`` samples (the last may be smaller).
 
     Concatenating the micro-batches' tensors along dim 0 gives back the batch's tensors. Their tensors are views of
-    the batch's, not copies. An empty batch (0 samples) gives an empty list. See `lightning_accum.splitting` for how
+    the batch's, not copies. An empty batch (0 samples) gives an empty list. See `lightning_accum.batches` for how
     each kind of element is treated; ``plan_batch(batch).split(micro_batch_size)`` does the same with the sizes.
 
     Args:

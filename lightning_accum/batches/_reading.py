@@ -5,7 +5,7 @@ mapping, a namedtuple, a dataclass, or a list/tuple. Only a list or tuple is amb
 (each element holds the samples' rows), a list of *entries* (one per sample), or shared configuration. `readings_of`
 then weighs the tree (not the batch): an `Option` is one way of reading a part, for one number of samples. A reading
 of the whole batch is the sizes of all its parts agreeing; its ``cost`` counts the lists read against their kind's
-preference (`lightning_accum.splitting` says which), and the cheapest reading wins. What `read_batch` returns, the
+preference (`lightning_accum.batches` says which), and the cheapest reading wins. What `read_batch` returns, the
 size, the tree and the set of lists that hold one entry per sample, is all a `BatchPlan` needs to cut the batch.
 """
 

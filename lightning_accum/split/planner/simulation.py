@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
+from lightning_accum.split.planner.micro_batch_planner import MicroBatchPlanner, PlannerEvent
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The cold start of split mode: the first step batch traced on fake tensors, to start at the size predicted to fit.
 
-Glue for `lightning_accum.AutoMicroBatching`; the trace and its fit are `lightning_accum.probe.preflight`.
+Glue for `lightning_accum.AutoMicroBatching`; the trace and its fit are `lightning_accum.split.preflight`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accum._util.distributed import max_across_ranks
-from lightning_accum.front_ends._owner import log_info
+from lightning_accum.batches import BatchHooks
+from lightning_accum.callbacks._owner import log_info
 from lightning_accum.memory.backends import MemoryBackend, free_bytes
 from lightning_accum.memory.oom import describe_error
-from lightning_accum.probe.preflight import Preflight, fallback_warning, preflight
 from lightning_accum.sequences import PaddedSequences
+from lightning_accum.sequences.token_cut import TokenCut
 from lightning_accum.split.planner import MicroBatchPlanner
-from lightning_accum.split.tokens import TokenCut
-from lightning_accum.splitting import BatchHooks
+from lightning_accum.split.preflight import Preflight, fallback_warning, preflight
 
 
 @dataclass(frozen=True)

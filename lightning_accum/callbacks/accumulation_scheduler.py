@@ -12,11 +12,11 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum._util.cli_types import ImportPath, Milestones, PositiveInt
+from lightning_accum.callbacks._owner import AccumulationOwner, log_info, ranks_of
 from lightning_accum.core.engine import ClosedWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import LossSum
 from lightning_accum.core.stepping import count_optimizer_steps
-from lightning_accum.front_ends._owner import AccumulationOwner, log_info, ranks_of
 from lightning_accum.schedules import (
     AccumulationSchedule,
     ConstantSchedule,

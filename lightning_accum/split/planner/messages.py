@@ -6,8 +6,8 @@ Pure: the sentences and the error `lightning_accum.split.planner.MicroBatchPlann
 from __future__ import annotations
 
 from lightning_accum.memory.sizes import format_size, format_sizes
-from lightning_accum.split.planner_settings import PlannerSettings
-from lightning_accum.split.planner_units import PeakModel, Samples, Tokens
+from lightning_accum.split.planner.settings import PlannerSettings
+from lightning_accum.split.planner.units import PeakModel, Samples, Tokens
 
 FIX_FIXED_MEMORY = (
     " Raise `max_memory`, or lower the fixed memory (a smaller model or optimizer state, a sharded strategy)."

@@ -1,6 +1,6 @@
 """The one walker: it cuts a batch by its plan, for any samples, in any order, with its sequence fields trimmed.
 
-`take` goes down the tree `lightning_accum.splitting._reading.classify` made of the batch and rebuilds it from the
+`take` goes down the tree `lightning_accum.batches._reading.classify` made of the batch and rebuilds it from the
 picked parts: rows of tensors (a slice gives views, indices give ``index_select`` copies), entries of per-sample lists,
 and shared values as they are. It reads nothing of the batch that the tree doesn't already say.
 """
@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 from lightning_accum._util.validation import as_whole_number
-from lightning_accum.splitting._reading import Kind, Node, is_array
+from lightning_accum.batches._reading import Kind, Node, is_array
 
 if TYPE_CHECKING:
-    from lightning_accum.splitting.trim import SequenceTrim
+    from lightning_accum.batches.trim import SequenceTrim
 
 
 class RowOrder:

@@ -26,12 +26,9 @@ from lightning_accum._util.cli_types import (
     PositiveInt,
 )
 from lightning_accum._util.validation import check_bool, check_choice
-from lightning_accum.core.engine import ClosedWindow
-from lightning_accum.core.normalization import ItemCounter, LossReduction
-from lightning_accum.core.step_report import AccumulationEvent
-from lightning_accum.front_ends._cold_start import PreflightStart
-from lightning_accum.front_ends._owner import AccumulationOwner, log, log_info
-from lightning_accum.front_ends._split_checks import (
+from lightning_accum.batches import BatchSizeFn, SplitBatchFn
+from lightning_accum.callbacks._owner import AccumulationOwner, log, log_info
+from lightning_accum.callbacks._split_checks import (
     ACCUMULATE_GRAD_BATCHES_CHANGED,
     GRADIENT_ACCUMULATION_SCHEDULER,
     SAMPLE_COUNT_BY_TOKENS,
@@ -40,15 +37,19 @@ from lightning_accum.front_ends._split_checks import (
     warn_about_batch_norm,
     warn_about_overlap_waits,
 )
+from lightning_accum.core.engine import ClosedWindow
+from lightning_accum.core.normalization import ItemCounter, LossReduction
+from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, release_cached_memory
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.probe.preflight import Preflight
 from lightning_accum.sequences import PaddedSequences
+from lightning_accum.split.cold_start import PreflightStart
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent
-from lightning_accum.split.planner_settings import PlannerSettings
-from lightning_accum.split.planner_units import Tokens
+from lightning_accum.split.planner.settings import PlannerSettings
+from lightning_accum.split.planner.units import Tokens
+from lightning_accum.split.preflight import Preflight
 from lightning_accum.split.step import SplitStepRunner, published_figures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import (
@@ -58,7 +59,6 @@ from lightning_accum.split.sync import (
     resolve_gradient_sync,
     sync_policy,
 )
-from lightning_accum.splitting import BatchSizeFn, SplitBatchFn
 
 __all__ = ["AutoMicroBatching", "GradientSync", "PreflightStart", "overlap_wait_warning"]
 
@@ -74,14 +74,14 @@ class AutoMicroBatching(AccumulationOwner):
 
     * **Cold start without an OOM.** With ``micro_batch_size="auto"``, the first step is traced on fake tensors at
       two micro-batch sizes (nothing is allocated), and the run starts at the largest size predicted to fit
-      (`lightning_accum.probe.preflight`). Where tracing fails, it starts from the whole step batch as before.
+      (`lightning_accum.split.preflight`). Where tracing fails, it starts from the whole step batch as before.
     * **OOM recovery.** An out-of-memory error in any forward or backward discards the attempt, shrinks ``b`` and
       re-runs the same step batch on every rank (one small all-reduce): no sample is lost or counted twice.
     * **Before memory runs out, and growing back.** A step whose peak passes the budget (or whose allocator retries
       keep rising) makes the next use a smaller ``b``, predicted from a model of the measured peaks (linear in ``b``;
       by tokens, ``fixed + T (a + c L)``); ``b``
       grows back after ``grow_patience`` steps under a low watermark, never to a size that ran out of memory within
-      ``oom_cooldown`` steps (`lightning_accum.split.planner`; the settings: `lightning_accum.split.planner_settings`).
+      ``oom_cooldown`` steps (`lightning_accum.split.planner`; the settings: `lightning_accum.split.planner.settings`).
     * **DDP and FSDP2** (`lightning_accum.split.sync`). Under DDP the gradients are summed across ranks once, after
       every rank finished its micro-batches (``gradient_sync="deferred"``, the default): an OOM in any forward or
       backward can never leave a rank waiting in DDP's all-reduce. ``"overlap"`` lets DDP sync in the last micro-batch's
@@ -123,7 +123,7 @@ class AutoMicroBatching(AccumulationOwner):
         gradient_sync: ``"deferred"`` (OOM-safe under DDP) or ``"overlap"`` (faster, not OOM-safe in the last
             backward). ``None`` (the default) means ``"deferred"``, and ``"overlap"`` under FSDP2.
         split_batch: ``split_batch(batch, micro_batch_size)`` returns the micro-batches (or its import path), for a
-            batch the built-in rules (`lightning_accum.splitting`) can't cut. Default: a method of the module.
+            batch the built-in rules (`lightning_accum.batches`) can't cut. Default: a method of the module.
         batch_size_of: ``batch_size_of(batch) -> int`` counts a batch's samples (or its import path). Default: a
             method of the module, else the built-in rules.
         fault_injector: raises simulated OOMs at chosen points, for testing recovery.

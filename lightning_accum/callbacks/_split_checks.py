@@ -10,8 +10,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum import _compat
-from lightning_accum.front_ends.balanced_sampler_state import balanced_samplers
-from lightning_accum.split.balanced_sampler import ranks_deal_apart
+from lightning_accum.callbacks.balanced_sampler_state import balanced_samplers
+from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
 from lightning_accum.split.sync import (
     GradientSync,
     overlap_wait_warning,

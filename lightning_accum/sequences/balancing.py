@@ -37,7 +37,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from lightning_accum.split.share_prices import share_prices
+from lightning_accum.sequences.share_prices import share_prices
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
 METHODS: tuple[Method, ...] = ("best", "karmarkar-karp", "greedy")
@@ -48,7 +48,7 @@ CPU: ``examples/benchmarks/rank_balance.py`` fits a pass's CPU seconds as ``a + 
 length ** 2`` on its small causal LM, and ``a / b`` came to 112.6 and 112.5 tokens in two of three fits (273 in the
 third, whose quadratic term took part of the tokens' share). On a GPU a pass's fixed cost (kernel launches, a small
 micro-batch's lower efficiency) is larger in tokens: measure it on your model with
-`lightning_accum.split.pass_timing.measure_step_cost`."""
+`lightning_accum.sequences.pass_timing.measure_step_cost`."""
 
 KARMARKAR_KARP_MAX = 1 << 16
 """``"best"`` runs Karmarkar-Karp only when samples x parts is at most this (4096 samples on 512 ranks took 6.7 s on
@@ -76,7 +76,8 @@ BATCHED_FROM = 256
 whatever its size here; 256 shares of 8 took 3.7 ms batched, 4.6 ms one by one (512: 4.4 and 8.4; 8: 2.6 and 0.12)."""
 
 MICRO_BATCH_COST = 32
-"""`lightning_accum.split.tokens.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they agree)."""
+"""`lightning_accum.sequences.token_cut.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they
+agree)."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -189,10 +190,10 @@ class StepCost:
     For each micro-batch its cut makes: the pass's fixed cost plus its padded tokens (plus attention's quadratic term).
 
     Split by tokens cuts a rank's step batch longest first into micro-batches of at most ``micro_batch_tokens`` padded
-    tokens (`lightning_accum.split.tokens.TokenCut.groups`). Each is a forward and backward pass with a fixed cost
-    beyond its tokens, so two ranks with the same tokens but a different number of passes do not cost the same: dealing
-    by tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008, compute to
-    1.04-1.08).
+    tokens (`lightning_accum.sequences.token_cut.TokenCut.groups`). Each is a forward and backward pass with a fixed
+    cost beyond its tokens, so two ranks with the same tokens but a different number of passes do not cost the same:
+    dealing by tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008,
+    compute to 1.04-1.08).
 
     Attributes:
         micro_batch_tokens: the micro-batch token budget split by tokens cuts at (`AutoMicroBatching`'s
@@ -247,8 +248,8 @@ class StepCost:
 def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each micro-batch split by tokens cuts ``ordered`` (lengths, longest first) into.
 
-    At a budget of ``budget`` padded tokens: `lightning_accum.split.tokens.TokenCut.groups`' shortest path, in plain
-    Python for the few sequences of a rank's share (TokenCut's is vectorized for thousands);
+    At a budget of ``budget`` padded tokens: `lightning_accum.sequences.token_cut.TokenCut.groups`' shortest path, in
+    plain Python for the few sequences of a rank's share (TokenCut's is vectorized for thousands);
     tests/test_balancing.py checks they cut alike.
 
     Example:

@@ -18,9 +18,10 @@ from typing_extensions import override
 from lightning_accum import _compat, keys
 from lightning_accum._util.cli_types import Decay, PositiveInt
 from lightning_accum._util.validation import check_bool, check_int
+from lightning_accum.batches import resolve_batch_hooks
+from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
-from lightning_accum.front_ends._owner import AccumulationOwner, find_owner, ranks_of
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitor.metrics import (
@@ -34,7 +35,6 @@ from lightning_accum.monitor.metrics import (
 )
 from lightning_accum.monitor.rows import every_step_keys
 from lightning_accum.monitor.totals import LightningWindows, RankMemory
-from lightning_accum.splitting import resolve_batch_hooks
 
 
 class AccumulationMonitor(Callback):

@@ -1,6 +1,6 @@
 """`BalancedBatchSampler`: each optimizer step's global batch, dealt to the ranks by cost instead of at random. Pure.
 
-See `lightning_accum.split.balancing` for the arithmetic; this module is the ``torch.utils.data`` face of it.
+See `lightning_accum.sequences.balancing` for the arithmetic; this module is the ``torch.utils.data`` face of it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.split import balancing
+from lightning_accum.sequences import balancing
 
 # The attributes Lightning reads to rebuild a batch sampler with its own sampler in it (`_wrap_init_method` and
 # `_dataloader_init_kwargs_resolve_sampler` in lightning/fabric/utilities/data.py, 2.0 to 2.6). Lightning sets them on
@@ -40,7 +40,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     For split mode (`lightning_accum.AutoMicroBatching`, where the DataLoader yields a rank's whole step batch). Each
     epoch's samples are permuted with ``seed + epoch`` (as ``DistributedSampler(shuffle=True)``), cut into global step
     batches of ``batch_size`` samples, and each step batch is partitioned among the ranks by its samples' costs
-    (`lightning_accum.split.balancing.partition`: the slowest rank as close to the mean as the lengths allow). Every
+    (`lightning_accum.sequences.balancing.partition`: the slowest rank as close to the mean as the lengths allow). Every
     rank computes the same deal from the same seed and lengths: no communication. Split mode is exact when ranks hold
     different numbers of samples, so the update is the one the same global batch dealt at random gives.
 
@@ -51,7 +51,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     Under Lightning's default ``use_distributed_sampler=True`` nothing needs changing: Lightning rebuilds the sampler
     with its ``DistributedSampler`` as ``sampler``, from which it takes the world size and rank (its order is not
     used). Lightning's ``set_epoch`` reaches it through ``sampler``. To resume mid-epoch on the same step batches, add
-    `lightning_accum.front_ends.balanced_sampler_state.BalancedSamplerState` to the Trainer's callbacks.
+    `lightning_accum.callbacks.balanced_sampler_state.BalancedSamplerState` to the Trainer's callbacks.
 
     Args:
         lengths: each sample's length in tokens, in dataset order; or a function of a sample that returns it, read
@@ -64,21 +64,21 @@ class BalancedBatchSampler(Sampler[list[int]]):
         seed: the permutation's seed (the epoch is added to it).
         drop_last: drop the epoch's last step batch when it holds fewer than ``batch_size`` samples. Kept, a last step
             batch with fewer samples than ranks takes samples from the epoch's first step batch, one a rank.
-        method: how to deal by tokens (`lightning_accum.split.balancing.partition`): ``"best"`` (the default:
+        method: how to deal by tokens (`lightning_accum.sequences.balancing.partition`): ``"best"`` (the default:
             Karmarkar-Karp's deal or greedy's, whichever puts less on the slowest rank), ``"karmarkar-karp"`` or
             ``"greedy"``. With ``micro_batch_tokens`` the deal is priced by the cut instead, and ``method`` is not
             used.
         quadratic: count ``length ** 2 / quadratic`` more per sample for attention (see
-            `lightning_accum.split.balancing.sample_costs`); ``None`` counts tokens.
+            `lightning_accum.sequences.balancing.sample_costs`); ``None`` counts tokens.
         micro_batch_tokens: the token budget split by tokens cuts each rank's share at (pass `AutoMicroBatching`'s
             ``micro_batch_tokens``). Given, each rank's step is priced as its cut costs (a fixed ``pass_cost_tokens``
             per micro-batch plus its padded tokens): each sample, longest first, goes to the rank whose share is
-            cheapest so priced (`lightning_accum.split.balancing.greedy_by_price`), then moves and swaps refine the
-            deal (`lightning_accum.split.balancing.refine`). Tokens alone balance the tokens to about 1.01 but the
+            cheapest so priced (`lightning_accum.sequences.balancing.greedy_by_price`), then moves and swaps refine the
+            deal (`lightning_accum.sequences.balancing.refine`). Tokens alone balance the tokens to about 1.01 but the
             compute only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
-        pass_cost_tokens: a micro-batch pass's fixed cost in tokens (`lightning_accum.split.balancing.PASS_COST_TOKENS`,
-            measured on a CPU, by default; measure yours with `lightning_accum.sequences.measure_step_cost`, on
-            every rank).
+        pass_cost_tokens: a micro-batch pass's fixed cost in tokens
+            (`lightning_accum.sequences.balancing.PASS_COST_TOKENS`, measured on a CPU, by default; measure yours with
+            `lightning_accum.sequences.measure_step_cost`, on every rank).
         sampler: set by Lightning (a ``DistributedSampler``), for the world size, rank and epoch.
 
     Raises:

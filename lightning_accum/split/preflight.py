@@ -51,12 +51,12 @@ from torch import nn
 
 from lightning_accum import _compat
 from lightning_accum._util.validation import check_int
+from lightning_accum.batches import BatchHooks, MicroBatch
 from lightning_accum.memory.fake import CUDA_HEADROOM, FakeStep, FakeTarget
 from lightning_accum.memory.model import LinearPeakModel
 from lightning_accum.memory.precision import StepPrecision
 from lightning_accum.memory.tracker import MemoryTracker
-from lightning_accum.probe.measure import configured_optimizers, train_step
-from lightning_accum.splitting import BatchHooks, MicroBatch
+from lightning_accum.memory.training_step import configured_optimizers, train_step
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,9 @@ _tracing = 0  # a count, not a flag: a trace inside a trace (a test's, say) ends
 
 
 class MicroBatchCutter(Protocol):
-    """What cuts the traced step batch: `lightning_accum.splitting.BatchHooks`, or a cut by tokens.
+    """What cuts the traced step batch: `lightning_accum.batches.BatchHooks`, or a cut by tokens.
 
-    A cut by tokens (`lightning_accum.split.tokens.TokenCut`) takes token budgets for sizes.
+    A cut by tokens (`lightning_accum.sequences.token_cut.TokenCut`) takes token budgets for sizes.
     """
 
     def split(self, batch: Any, micro_batch_size: int) -> list[MicroBatch]: ...
@@ -190,7 +190,7 @@ def preflight(
         optimizers: the optimizers to copy (e.g. ``trainer.optimizers``); ``None`` calls
             ``module.configure_optimizers()`` on the copy.
         precision: the Trainer's precision (``trainer.precision``).
-        hooks: how to cut the batch (`lightning_accum.splitting.resolve_batch_hooks`); the built-in rules if
+        hooks: how to cut the batch (`lightning_accum.batches.resolve_batch_hooks`); the built-in rules if
             ``None``.
 
     Raises:

@@ -66,9 +66,9 @@ whose ``sequence_dim`` is the padded length ``from_length``) to ``to_length`` po
 ([[8, 9], [0, 1]], ['c', 'a'])
 """
 
-from lightning_accum.splitting._walk import RowOrder
-from lightning_accum.splitting.hooks import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
-from lightning_accum.splitting.plan import (
+from lightning_accum.batches._walk import RowOrder
+from lightning_accum.batches.hooks import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
+from lightning_accum.batches.plan import (
     BatchPlan,
     MicroBatch,
     batch_size_of,
@@ -76,7 +76,7 @@ from lightning_accum.splitting.plan import (
     plan_batch,
     split_batch,
 )
-from lightning_accum.splitting.trim import SequenceTrim
+from lightning_accum.batches.trim import SequenceTrim
 
 __all__ = [
     "BatchHooks",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_accum._util.validation import as_whole_number, check_int, check_int_worded, import_object
-from lightning_accum.splitting.plan import BatchPlan, MicroBatch, _plan, batch_size_of
+from lightning_accum.batches.plan import BatchPlan, MicroBatch, _plan, batch_size_of
 
 # A user hook `split_batch(batch, micro_batch_size) -> list of micro-batches`, and `batch_size_of(batch) -> int`.
 # Typed loosely on purpose: jsonargparse (LightningCLI) must accept them given as import paths in YAML.
@@ -60,7 +60,7 @@ class BatchHooks:
 
         Without a ``batch_size_of`` hook this is `batch_size_of`'s own reading; with one, the reading that gives the
         hook's count. The ``split_batch`` hook plays no part: the plan cuts by the built-in rules. The parts at the
-        paths in ``shared`` are shared by all samples (see `lightning_accum.splitting.plan_batch`).
+        paths in ``shared`` are shared by all samples (see `lightning_accum.batches.plan_batch`).
 
         Raises:
             TypeError: as `batch_size` does, or the batch is an object the built-in rules can't cut.

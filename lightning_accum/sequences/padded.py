@@ -3,23 +3,23 @@
 A language-model step batch holds sequences of very different lengths, right-padded to the longest. Memory and
 compute follow the *padded tokens* of a micro-batch (samples x longest length), not its number of samples. With
 `PaddedSequences`, `lightning_accum.AutoMicroBatching` cuts each step batch as
-`lightning_accum.split.tokens.TokenCut` does:
+`lightning_accum.sequences.token_cut.TokenCut` does:
 
 1. the samples are ordered by length, longest first (a stable sort: equal lengths keep their order), so that a
    micro-batch holds sequences of similar length, and the longest sequences run first, where an out-of-memory error
    is still recoverable on every rank;
 2. consecutive samples share a micro-batch whose padded size stays within the token budget, cut where the step
    computes the fewest padded tokens, each micro-batch counted as
-   `lightning_accum.split.tokens.MICRO_BATCH_COST`'s share of the budget more (`TokenCut.groups`); a sequence
+   `lightning_accum.sequences.token_cut.MICRO_BATCH_COST`'s share of the budget more (`TokenCut.groups`); a sequence
    longer than the budget gets a micro-batch of its own;
 3. each micro-batch is trimmed to its own longest sequence in every *sequence field*: the fields named in
    ``fields``, or by default every tensor with the batch on dim 0 whose dim ``sequence_dim`` has the padded length
-   (`lightning_accum.splitting.SequenceTrim`).
+   (`lightning_accum.batches.SequenceTrim`).
 
 Sorting is exact for losses that treat samples independently. Trimming is exact for right-padded models whose real
 positions do not attend to padding (causal LMs, and models that mask padding), and whose loss scores no padding: the
 step checks that the trimmed micro-batches hold as many items as the step batch
-(`lightning_accum.split.tokens.check_items_kept`). Left padding
+(`lightning_accum.sequences.token_cut.check_items_kept`). Left padding
 is refused: trimming it would move every real token to another position.
 
 Examples:
@@ -44,19 +44,15 @@ from torch import Tensor
 
 from lightning_accum._util.cli_types import ImportPath, PositiveInt
 from lightning_accum._util.validation import check_int, import_object
-from lightning_accum.items import lookup
-from lightning_accum.split.balanced_sampler import (
-    BalancedBatchSampler as BalancedBatchSampler,  # next to PaddedSequences
-)
-from lightning_accum.split.masks import mask_lengths, real_positions
-from lightning_accum.split.pass_timing import measure_step_cost as measure_step_cost  # what BalancedBatchSampler prices
-from lightning_accum.split.tokens import TokenCut
-from lightning_accum.splitting import (
+from lightning_accum.batches import (
     BatchHooks,
     BatchPlan,
     resolve_batch_hooks,
 )
-from lightning_accum.splitting._reading import name_paths
+from lightning_accum.batches._reading import name_paths
+from lightning_accum.items import lookup
+from lightning_accum.sequences.masks import mask_lengths, real_positions
+from lightning_accum.sequences.token_cut import TokenCut
 
 LengthsFn = Callable[[Any], Any]
 """``lengths(batch)``: each sample's length, a 1-D integer tensor, array or list of ints."""
@@ -101,7 +97,7 @@ class PaddedSequences:
     Args:
         mask: where the mask is: a mapping key (``"attention_mask"``, the default when ``lengths`` is not given),
             a position in a tuple batch, or an attribute name of a batch object. Read are
-            `lightning_accum.split.masks.MASK_FORMS`.
+            `lightning_accum.sequences.masks.MASK_FORMS`.
         lengths: ``lengths(batch)`` returns each sample's length (a 1-D integer tensor, array or list), or the import
             path of such a function; instead of ``mask``.
         sequence_dim: the dimension that holds the sequence in the sequence fields (1 for ``(batch, sequence)``).

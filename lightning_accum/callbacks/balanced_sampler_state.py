@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_accum.split.balanced_sampler import BalancedBatchSampler
+from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler
 
 
 class BalancedSamplerState(pl.Callback):
