@@ -12,7 +12,7 @@ from torch import Tensor
 
 
 class HasRanks(Protocol):
-    """What the collectives read: Lightning's ``Trainer``, or Fabric's `lightning_accum._compat.fabric_host.FabricHost`."""
+    """What the collectives read: Lightning's ``Trainer``, or Fabric's (`lightning_accum._compat.fabric_host`)."""
 
     @property
     def world_size(self) -> int: ...
