@@ -15,8 +15,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _compat
-from lightning_accum.callbacks._owner import log_info, ranks_of
-from lightning_accum.core.engine import AccumulationEngine, HoldsEngine
+from lightning_accum._util.log import log_info
+from lightning_accum.core.engine import AccumulationEngine, HoldsEngine, Ranks, WindowPlan
+from lightning_accum.core.hand_window import HandWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction, WindowTotals
 from lightning_accum.core.step_report import AccumulationEvent
 from lightning_accum.schedules import AccumulationSchedule, as_schedule, scale_learning_rates
@@ -87,7 +88,7 @@ class ManualAccumulation(HoldsEngine):
         self.last_noise: tuple[float, float] | None = None  # the last window's (|G|², tr Σ), where measured
         self.optimizer_steps = 0  # complete windows: the step count that picks the measured windows
         self.events: list[AccumulationEvent] = []  # every change of k
-        self._position = -1  # -1: no window open
+        self.window = HandWindow(self.engine, "ManualAccumulation.backward")
         self._epoch = -1
         self._window_optimizer: weakref.ref[Optimizer] | None = None  # what the open window accumulates for
         self._hooks_resolved = False
@@ -127,10 +128,9 @@ class ManualAccumulation(HoldsEngine):
         if not self._hooks_resolved:
             engine.resolve_hooks(module)  # the module's `batch_size_of` method, if it has one
             self._hooks_resolved = True
-        n_items, n_samples = engine.count(batch)
-        self._open_window(trainer, optimizer, n_samples)
-        weight = engine.add(n_items, n_samples)
-        window_complete = self._position >= engine.schedule.k - 1 or _compat.is_last_training_batch(trainer)
+        window = self.window
+        self._enter(trainer, optimizer, batch)
+        window_complete = window.closes(_compat.is_last_training_batch(trainer))
         with contextlib.ExitStack() as no_sync:
             if not window_complete:
                 # DDP's `no_sync` (through the strategy) and FSDP2's held-back reduce-scatter, which Lightning's
@@ -139,35 +139,37 @@ class ManualAccumulation(HoldsEngine):
                     no_sync.enter_context(trainer.strategy.block_backward_sync())
                 if isinstance(trainer.strategy, ModelParallelStrategy):  # spares other strategies a module walk
                     no_sync.enter_context(_compat.no_fsdp2_gradient_sync(trainer.strategy.model))
-            module.manual_backward(loss * weight, *args, **kwargs)
+            module.manual_backward(window.weigh(loss), *args, **kwargs)
+        window.leave()
         if not window_complete:
-            if self._position == 0 and engine.wants_noise(self.optimizer_steps):
-                # The window's first micro-batch, not yet synced: the noise scale's small batch.
-                gradients = _compat.unsynced_gradients(module, _parameters(optimizer))
-                engine.capture_first_gradient(self.optimizer_steps, gradients, _compat.gradient_scale(trainer))
-            self._position += 1
+            # The window's first micro-batch, not yet synced: the noise scale's small batch.
+            window.after_backward(
+                self.optimizer_steps,
+                lambda: _compat.unsynced_gradients(module, _parameters(optimizer)),  # read only where measured
+                _compat.gradient_scale(trainer),
+            )
             return False
-        closed = engine.close_window(self.optimizer_steps, _parameters(optimizer), ranks_of(trainer))
+        closed = window.close(self.optimizer_steps, _parameters(optimizer), Ranks.of(trainer))
         self.last_window, self.last_noise = closed.totals, closed.noise
         self.optimizer_steps += 1
-        self._position, self._window_optimizer = -1, None
+        self._window_optimizer = None
         return True
 
-    def _open_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
-        """Start a window at this micro-batch unless it continues the open one (the same fit and epoch)."""
+    def _enter(self, trainer: pl.Trainer, optimizer: Optimizer, batch: Any) -> None:
+        """The micro-batch enters the window, opening one unless it continues the open one (the same fit and epoch)."""
         # A window left open by a fit that stopped part-way (an exception, an interrupt) is not continued: every fit
         # builds its optimizers anew, and Lightning zeroed the gradients when the new fit began.
         stale = self._window_optimizer is None or self._window_optimizer() is not optimizer
-        if self._position < 0 or stale or trainer.current_epoch != self._epoch:
-            self._start_window(trainer, optimizer, n_samples)
+        if stale or trainer.current_epoch != self._epoch:
+            self.window.abandon()
+        plan = self.window.enter(batch, epoch=trainer.current_epoch, step=trainer.global_step, ranks=Ranks.of(trainer))
+        if plan is not None:
+            self._opened(trainer, optimizer, plan)
 
-    def _start_window(self, trainer: pl.Trainer, optimizer: Optimizer, n_samples: int) -> None:
+    def _opened(self, trainer: pl.Trainer, optimizer: Optimizer, plan: WindowPlan) -> None:
+        """A window opened at this micro-batch: remember for whom, and apply a change of ``k``."""
         self._epoch = trainer.current_epoch
-        self._position = 0
         self._window_optimizer = weakref.ref(optimizer)
-        plan = self.engine.plan_window(
-            epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=ranks_of(trainer)
-        )
         if plan.change is not None:
             # The schedule's learning-rate rule, applied to this helper's optimizer (and its schedulers) only.
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
@@ -181,11 +183,13 @@ class ManualAccumulation(HoldsEngine):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.engine.load_state_dict(state)
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
-        self._position = -1
+        self.window.abandon()
 
     def __getstate__(self) -> dict[str, Any]:
         # An open window belongs to this process's fit (and a weak reference can't be pickled, e.g. by `ddp_spawn`).
-        return {**self.__dict__, "_position": -1, "_window_optimizer": None}
+        state = {**self.__dict__, "_window_optimizer": None}
+        state["window"] = HandWindow(self.engine, self.window.name)
+        return state
 
 
 def _optimizer_of(module: pl.LightningModule, optimizer: Optimizer | LightningOptimizer | None) -> Optimizer:

@@ -11,7 +11,8 @@ the strategy wrapped (``DistributedDataParallel`` under DDP, the ``fully_shard``
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.ddp import DDPStrategy
@@ -24,7 +25,6 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accum._compat._version import _check_version
-from lightning_accum._compat.fsdp2 import fsdp2_modules
 
 
 def wrapped_module(model: Any) -> nn.Module:
@@ -78,12 +78,11 @@ class FabricHost:
         self.lightning_module: nn.Module = model.module  # the user's module: its parameters are the optimizer's
 
 
-def sync_kind(fabric: Fabric, model: Any) -> str:
+def sync_kind(fabric: Fabric, model: Any) -> Literal["single", "ddp", "fsdp2"]:
     """``"single"``, ``"ddp"`` or ``"fsdp2"``: how split mode syncs under Fabric's strategy.
 
     Raises:
-        RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed, tensor parallelism, another one), or
-            ``ModelParallelStrategy`` on several ranks without ``fully_shard``.
+        RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed, tensor parallelism, another one).
     """
     strategy = fabric.strategy
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
@@ -97,12 +96,7 @@ def sync_kind(fabric: Fabric, model: Any) -> str:
                 "`FabricMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2): set"
                 " `tensor_parallel_size=1`."
             )
-        if fabric.world_size > 1 and not fsdp2_modules(wrapped_module(model)):
-            raise RuntimeError(
-                "`FabricMicroBatching` under `ModelParallelStrategy` needs FSDP2: call"
-                " `torch.distributed.fsdp.fully_shard` on the model (or its layers) in the `parallelize_fn`."
-            )
-        return "fsdp2"
+        return "fsdp2"  # `lightning_accum.split.sync.sync_policy` checks that something is `fully_shard`-ed
     if isinstance(strategy, DDPStrategy):
         return "ddp" if fabric.world_size > 1 else "single"
     if isinstance(strategy, SingleDeviceStrategy):
@@ -129,3 +123,46 @@ def start_loader_epoch(loader: Any, epoch: int) -> None:
     """
     if isinstance(loader, _FabricDataLoader):
         loader._num_iter_calls = int(epoch)
+
+
+FABRIC_BACKWARD_IN_A_WINDOW = (
+    "`fabric.backward(loss)` ran inside `with acc.micro_batch(batch):`. Call `acc.backward(loss)` there instead: it"
+    " weighs the micro-batch's loss by its exact share of the window, where `fabric.backward` would add its gradient"
+    " unweighted and the update would be off, silently."
+)
+FABRIC_BACKWARD_IN_LOSS_FN = (
+    "`loss_fn` called `fabric.backward`: under `FabricMicroBatching.step` it must only return the micro-batch's loss."
+    " The step runs every micro-batch's backward itself, with its exact weight (a backward of its own would add the"
+    " gradient again, or fail with 'backward through the graph a second time'). Return the loss from `loss_fn`, and"
+    " remove its `fabric.backward(loss)`."
+)
+
+
+@contextlib.contextmanager
+def backward_refused(fabric: Fabric, message: str) -> Iterator[None]:
+    """Inside, ``fabric.backward`` raises ``RuntimeError(message)``: the user's loop must not back-propagate itself.
+
+    The refusal shadows Fabric's method on this one instance (`backward_allowed` lifts it for the front end's own
+    backward); ``lightning/fabric/fabric.py``'s ``Fabric.backward`` is a plain method (2.2 to 2.6).
+    """
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(message)
+
+    fabric.__dict__["backward"] = refused
+    try:
+        yield
+    finally:
+        if fabric.__dict__.get("backward") is refused:
+            del fabric.__dict__["backward"]
+
+
+@contextlib.contextmanager
+def backward_allowed(fabric: Fabric) -> Iterator[None]:
+    """Lift `backward_refused` for the front end's own ``fabric.backward`` of a weighted loss."""
+    guard = fabric.__dict__.pop("backward", None)
+    try:
+        yield
+    finally:
+        if guard is not None:
+            fabric.__dict__["backward"] = guard

@@ -7,25 +7,21 @@ glue around it here, once.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accum import _compat
-from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
+from lightning_accum._util.log import log_info
 from lightning_accum.batches import BatchHooks
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, HoldsEngine, Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
-
-log = logging.getLogger("lightning_accum")
 
 
 class AccumulationOwner(HoldsEngine, Callback):
@@ -42,7 +38,7 @@ class AccumulationOwner(HoldsEngine, Callback):
     ) -> None:
         self.engine = AccumulationEngine(count_items, loss_reduction, schedule)
         self.last_step_report: StepReport | None = None
-        self.oom_retries = 0
+        self.oom_retries = 0  # OOMs recovered from since the start of training (split mode has them)
         self.events: list[AccumulationEvent] = []  # every event of the run (they are rare: OOMs, resizes, k changes)
         self._pending_events: list[AccumulationEvent] = []
         self._undo: list[Callable[[], None]] = []
@@ -143,7 +139,7 @@ class AccumulationOwner(HoldsEngine, Callback):
         return self.engine.close_window(
             trainer.global_step,
             params,
-            ranks_of(trainer),
+            Ranks.of(trainer),
             averaged_over,
             # Rank-consistent: the meter's collective runs on every rank or on none.
             measure_noise=not self._syncs_first_micro_batch(trainer),
@@ -167,36 +163,21 @@ class AccumulationOwner(HoldsEngine, Callback):
         log_info(event.message())
 
     def _publish_step(
-        self,
-        mode: Mode,
-        micro_batch_size: int,
-        closed: ClosedWindow,
-        loss: LossSum,
-        peak_bytes: int | None = None,
-        budget_bytes: float | None = None,
-        tokens: tuple[int, float] | None = None,
-        balance: tuple[float, float] | None = None,
+        self, mode: Mode, micro_batch_size: int, closed: ClosedWindow, loss: LossSum, **figures: Any
     ) -> None:
         """Publish the report of the optimizer step whose window the engine just closed.
 
-        ``tokens``: the token budget and the padding fraction (split mode by tokens). ``balance``: the ranks' imbalance
-        and the longest sync wait (split mode, more than one rank: `lightning_accum.split.step.RankBalance`).
+        ``figures``: the `StepReport` fields only some steps have (split mode's peak, budget, token figures and the
+        ranks' balance: `lightning_accum.split.session.StepFigures`).
         """
-        report = window_report(
-            closed,
+        report = closed.report(
             mode,
             micro_batch_size,
             loss,
             consumed_samples=self.consumed_samples,
             oom_retries=self.oom_retries,
             events=self._take_events(),
-            peak_bytes=peak_bytes,
-            budget_bytes=budget_bytes,
-            noise=closed.noise,
-            micro_batch_tokens=None if tokens is None else tokens[0],
-            padding_fraction=None if tokens is None else tokens[1],
-            rank_imbalance=None if balance is None else balance[0],
-            sync_wait_seconds=None if balance is None else balance[1],
+            **figures,
         )
         self._publish(report)
 
@@ -221,43 +202,8 @@ class AccumulationOwner(HoldsEngine, Callback):
         self.engine.load_state_dict(state_dict)
         self.oom_retries = int(state_dict.get("oom_retries", 0))
 
-
-def window_report(
-    closed: ClosedWindow,
-    mode: Mode,
-    micro_batch_size: int,
-    loss: LossSum,
-    *,
-    consumed_samples: int,
-    oom_retries: int,
-    events: tuple[AccumulationEvent, ...],
-    **figures: Any,
-) -> StepReport:
-    """The report of the optimizer step whose window the engine just closed, for either front end (Trainer, Fabric).
-
-    ``figures``: the `StepReport` fields only some steps have (peaks, the budget, the token figures, ...).
-    """
-    totals = closed.totals
-    return StepReport(
-        mode=mode,
-        micro_batch_size=micro_batch_size,
-        accumulation_steps=closed.micro_batches,  # this step's, not the plan: a tail is short
-        effective_batch_size=totals.samples,
-        items=totals.items,
-        consumed_samples=consumed_samples,
-        oom_retries=oom_retries,
-        loss_sum=loss.total,
-        loss_items=loss.items,
-        events=events,
-        **figures,
-    )
-
-
-def ranks_of(trainer: HasRanks) -> Ranks:
-    """The trainer's ranks and their small collectives, as the engine takes them (a Fabric host's too)."""
-    if trainer.world_size <= 1:
-        return Ranks()
-    return Ranks(trainer.world_size, sum_across_ranks_fn(trainer), lambda t: max_across_ranks(trainer, t))
+    def _count_oom(self) -> None:
+        self.oom_retries += 1
 
 
 def find_owner(callbacks: list[Any]) -> AccumulationOwner | None:
@@ -270,8 +216,3 @@ def describe_counter(counter: Callable[..., Any] | None) -> str:
     if counter is None:
         return "samples"
     return getattr(counter, "__qualname__", None) or repr(counter)
-
-
-@rank_zero_only
-def log_info(message: str) -> None:
-    log.info(message)

@@ -19,7 +19,7 @@ from lightning_accum import _compat, keys
 from lightning_accum._util.cli_types import Decay, PositiveInt
 from lightning_accum._util.validation import check_bool, check_int
 from lightning_accum.batches import resolve_batch_hooks
-from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, ranks_of
+from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
@@ -294,7 +294,7 @@ class AccumulationMonitor(Callback):
     def _ranks(self, trainer: pl.Trainer) -> Ranks:
         if self._metrics.memory is None:  # a Trainer that skipped `setup`; read the capacity once all the same
             self._metrics.memory = RankMemory(backend_for(trainer.strategy.root_device))
-        return ranks_of(trainer)
+        return Ranks.of(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

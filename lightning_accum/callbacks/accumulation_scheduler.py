@@ -12,8 +12,9 @@ from typing_extensions import override
 
 from lightning_accum import _compat
 from lightning_accum._util.cli_types import ImportPath, Milestones, PositiveInt
-from lightning_accum.callbacks._owner import AccumulationOwner, log_info, ranks_of
-from lightning_accum.core.engine import ClosedWindow
+from lightning_accum._util.log import log_info
+from lightning_accum.callbacks._owner import AccumulationOwner
+from lightning_accum.core.engine import ClosedWindow, Ranks
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import LossSum
 from lightning_accum.core.stepping import count_optimizer_steps
@@ -251,7 +252,7 @@ class AccumulationScheduler(AccumulationOwner):
         self._position = 0
         self._window_loss = LossSum()
         plan = self.engine.plan_window(
-            epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=ranks_of(trainer)
+            epoch=trainer.current_epoch, step=trainer.global_step, n_samples=n_samples, ranks=Ranks.of(trainer)
         )
         if plan.change is not None:
             # The schedule's learning-rate rule for a change of k (`AdaptiveBatchSize(lr_scaling=...)`).

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.batches import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.core.normalization import (
@@ -34,7 +35,7 @@ from lightning_accum.core.normalization import (
     check_loss_reduction,
     count_items,
 )
-from lightning_accum.core.step_report import AccumulationEvent
+from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.items import resolve_counter
 from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
 
@@ -55,6 +56,13 @@ class Ranks:
     world_size: int = 1
     sum: Callable[[Tensor], Tensor] | None = None
     max: Callable[[Tensor], Tensor] | None = None
+
+    @classmethod
+    def of(cls, host: HasRanks) -> Ranks:
+        """A ``Trainer``'s ranks and their small collectives (a Fabric host's too)."""
+        if host.world_size <= 1:
+            return cls()
+        return cls(host.world_size, sum_across_ranks_fn(host), lambda t: max_across_ranks(host, t))
 
 
 @runtime_checkable
@@ -199,6 +207,36 @@ class ClosedWindow:
     totals: WindowTotals
     micro_batches: int  # this rank's
     noise: tuple[float, float] | None = None
+
+    def report(
+        self,
+        mode: Mode,
+        micro_batch_size: int,
+        loss: LossSum,
+        *,
+        consumed_samples: int,
+        oom_retries: int,
+        events: tuple[AccumulationEvent, ...],
+        **figures: Any,
+    ) -> StepReport:
+        """The report of this window's optimizer step, for every front end (the ``Trainer``'s, Fabric's).
+
+        ``figures``: the `StepReport` fields only some steps have (peaks, the budget, the token figures, ...).
+        """
+        return StepReport(
+            mode=mode,
+            micro_batch_size=micro_batch_size,
+            accumulation_steps=self.micro_batches,  # this step's, not the plan: a tail is short
+            effective_batch_size=self.totals.samples,
+            items=self.totals.items,
+            consumed_samples=consumed_samples,
+            oom_retries=oom_retries,
+            loss_sum=loss.total,
+            loss_items=loss.items,
+            events=events,
+            noise=self.noise,
+            **figures,
+        )
 
 
 class AccumulationEngine:

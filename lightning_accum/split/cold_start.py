@@ -1,20 +1,21 @@
 """The cold start of split mode: the first step batch traced on fake tensors, to start at the size predicted to fit.
 
-Glue for `lightning_accum.AutoMicroBatching`; the trace and its fit are `lightning_accum.split.preflight`.
+Run by `lightning_accum.split.session.SplitSession` for every front end; the trace and its fit are
+`lightning_accum.split.preflight`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_accum._util.distributed import max_across_ranks
+from lightning_accum._util.distributed import HasRanks, max_across_ranks
+from lightning_accum._util.log import log_info
 from lightning_accum.batches import BatchHooks
-from lightning_accum.callbacks._owner import log_info
 from lightning_accum.memory.backends import MemoryBackend, free_bytes
 from lightning_accum.memory.oom import describe_error
 from lightning_accum.sequences import PaddedSequences
@@ -31,12 +32,14 @@ class PreflightStart:
     budgets.
     """
 
-    trainer: pl.Trainer
-    pl_module: pl.LightningModule
+    ranks: HasRanks  # the Trainer, or Fabric's host: every rank takes part in one small all-reduce
+    module: Any  # what the trace runs: the LightningModule, or Fabric's model with its loss function
     batch: Any
     planner: MicroBatchPlanner
     hooks: BatchHooks
     backend: MemoryBackend
+    optimizers: Sequence[Any]
+    precision: Any = "32-true"
     sequences: PaddedSequences | None = None
 
     def run(self) -> Preflight | None:
@@ -53,7 +56,7 @@ class PreflightStart:
             start, why = None, f"{type(err).__name__}: {describe_error(err)}"
         # Max over ranks of (failed, -start): any failure falls back everywhere, else the smallest start wins.
         local = torch.tensor([int(start is None), -(start or 0)], dtype=torch.int64)
-        failed, negative_start = (int(v) for v in max_across_ranks(self.trainer, local).tolist())
+        failed, negative_start = (int(v) for v in max_across_ranks(self.ranks, local).tolist())
         if failed:
             rank_zero_warn(fallback_warning(why if start is None else None))
             return found
@@ -79,18 +82,18 @@ class PreflightStart:
 
     def _predicted(self) -> tuple[int | None, str, Preflight | None]:
         """This rank's predicted starting size (``None``: no prediction), why there is none, and its trace."""
-        planner, trainer, backend = self.planner, self.trainer, self.backend
+        planner, backend = self.planner, self.backend
         budget = planner.budget_bytes
         cutter, step_size = self._first_cut()
         small, large = max(1, step_size // 4), max(1, step_size // 2)
         if small == large or budget is None:
             return None, f"a step batch of {step_size} {planner.unit.counts} is too small to trace at two sizes", None
         found = preflight(
-            self.pl_module,
+            self.module,
             self.batch,
             (small, large),
-            optimizers=trainer.optimizers,
-            precision=trainer.precision,
+            optimizers=self.optimizers,
+            precision=self.precision,
             hooks=cutter,
         )
         if found.peak_model is None:

@@ -15,7 +15,8 @@ policy                 the sync                                     an attempt a
                        backward, after the same agreement
 =====================  ===========================================  ==============================================
 
-`resolve_gradient_sync` refuses what split mode cannot run, and `sync_policy` picks the policy. No policy issues a
+`trainer_sync_kind` (or Fabric's `lightning_accum._compat.fabric_host.sync_kind`) refuses what split mode cannot
+run, `resolve_gradient_sync` checks ``gradient_sync`` against it, and `sync_policy` picks the policy. No policy issues a
 collective that another rank could be left waiting in: the only ones are the agreement, the buffer broadcast or
 FSDP2's all-gather at the start of the step (before anything can fail), and the sync.
 """
@@ -242,12 +243,15 @@ def _zero_gradients(params: Sequence[Tensor]) -> Iterator[None]:
             handle.remove()
 
 
-def resolve_gradient_sync(strategy: Any, given: GradientSync | None) -> GradientSync:
-    """The ``gradient_sync`` split mode runs under ``strategy`` (``given``, or the strategy's default).
+SyncKind = Literal["single", "ddp", "fsdp2"]
+"""How split mode syncs under a strategy: not at all (one rank), DDP's all-reduce, or FSDP2's reduce-scatter."""
+
+
+def trainer_sync_kind(strategy: Any, world_size: int) -> SyncKind:
+    """How split mode syncs under a ``Trainer``'s ``strategy`` (Fabric's: `lightning_accum._compat.fabric_host`).
 
     Raises:
         RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed, tensor parallelism).
-        ValueError: ``gradient_sync="deferred"`` under ``ModelParallelStrategy``.
     """
     if isinstance(strategy, FSDPStrategy):
         raise RuntimeError(
@@ -256,16 +260,30 @@ def resolve_gradient_sync(strategy: Any, given: GradientSync | None) -> Gradient
             " which split mode supports, or keep `FSDPStrategy` with `AccumulationScheduler` (window mode)."
         )
     if isinstance(strategy, ModelParallelStrategy):
-        return _model_parallel_sync(strategy, given)
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel > 1:
+            raise RuntimeError(
+                f"`AutoMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2), got"
+                f" `tensor_parallel_size={tensor_parallel}`. Set `tensor_parallel_size=1`, or use"
+                " `AccumulationScheduler` (window mode)."
+            )
+        return "fsdp2"
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
             f"`AutoMicroBatching` supports single-device, DDP and `ModelParallelStrategy` (FSDP2) strategies, got"
             f" {type(strategy).__name__}. Use the strategy's own accumulation with DeepSpeed."
         )
-    return given or "deferred"
+    return "ddp" if world_size > 1 else "single"
 
 
-def _model_parallel_sync(strategy: ModelParallelStrategy, given: GradientSync | None) -> GradientSync:
+def resolve_gradient_sync(kind: SyncKind, given: GradientSync | None) -> GradientSync:
+    """The ``gradient_sync`` split mode runs under a strategy of ``kind`` (``given``, or the kind's default).
+
+    Raises:
+        ValueError: ``gradient_sync="deferred"`` under FSDP2.
+    """
+    if kind != "fsdp2":
+        return given or "deferred"
     if given == "deferred":
         raise ValueError(
             "`gradient_sync='deferred'` is not available under `ModelParallelStrategy` (FSDP2): FSDP2"
@@ -273,31 +291,25 @@ def _model_parallel_sync(strategy: ModelParallelStrategy, given: GradientSync | 
             " all its forwards succeeded (an OOM before it is retried on every rank). Leave `gradient_sync` unset"
             " (or pass 'overlap'); see docs/scaling-out.md, split mode."
         )
-    tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
-    if tensor_parallel > 1:
-        raise RuntimeError(
-            f"`AutoMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2), got"
-            f" `tensor_parallel_size={tensor_parallel}`. Set `tensor_parallel_size=1`, or use"
-            " `AccumulationScheduler` (window mode)."
-        )
     return "overlap"
 
 
-def sync_policy(strategy: Any, world_size: int, gradient_sync: GradientSync) -> SyncPolicy:
-    """The policy for a split-mode run on ``strategy`` with ``world_size`` ranks.
+def sync_policy(kind: SyncKind, strategy: Any, world_size: int, gradient_sync: GradientSync) -> SyncPolicy:
+    """The policy for a split-mode run of ``kind`` on ``strategy`` (a Trainer's, or Fabric's view of its own).
 
     Raises:
         RuntimeError: ``ModelParallelStrategy`` on several ranks without any ``fully_shard``-ed module.
     """
-    if isinstance(strategy, ModelParallelStrategy):
+    if kind == "fsdp2":
         if world_size > 1 and not _compat.fsdp2_modules(strategy.model):
             raise RuntimeError(
-                "`AutoMicroBatching` under `ModelParallelStrategy` needs FSDP2: call"
-                " `torch.distributed.fsdp.fully_shard` on the model (or its layers) in `configure_model`, with the"
-                ' `self.device_mesh["data_parallel"]` mesh. Without it nothing synchronizes the gradients across ranks.'
+                "Split mode under `ModelParallelStrategy` needs FSDP2: call `torch.distributed.fsdp.fully_shard` on"
+                " the model (or its layers), in `configure_model` under a Trainer (with the"
+                ' `self.device_mesh["data_parallel"]` mesh) or in the `parallelize_fn` under Fabric. Without it'
+                " nothing synchronizes the gradients across ranks."
             )
         return FSDP2(strategy, world_size)
-    if world_size <= 1:
+    if kind == "single" or world_size <= 1:
         return SyncPolicy(strategy)
     return DDPDeferred(strategy) if gradient_sync == "deferred" else DDPOverlap(strategy)
 

@@ -351,7 +351,7 @@ def test_pinning_auto_names_the_users_argument():
 def test_a_shrink_releases_cached_memory_once_and_a_grow_releases_nothing(tmp_path, monkeypatch):
     # Memory the larger size freed would inflate the peak measured at the smaller one: a shrink releases it once,
     # without gc.collect() (half a second here). A grow has nothing to release.
-    import lightning_accum.callbacks.auto_micro_batching as amb
+    import lightning_accum.split.session as amb
     import lightning_accum.split.step as split_step
 
     calls: list[str] = []

@@ -145,9 +145,9 @@ class MicroBatchPlanner:
     ) -> None:
         self.settings = _settings_from(settings, keywords)
         self.unit = unit or Samples()  # what a size counts (`lightning_accum.split.planner.units`)
+        self.budget_bytes: float | None = None
         if budget_bytes is not None:
-            budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
-        self.budget_bytes: float | None = budget_bytes
+            self.set_budget(budget_bytes)
         self.model = self.unit.new_model()
         self.events: list[PlannerEvent] = []
         self._limit: int | None = None  # the largest size believed to fit; the size used is balanced below it
@@ -186,6 +186,14 @@ class MicroBatchPlanner:
         if self._limit is None:
             self._limit = self._initial_limit(step_batch_size)
         return self.unit.balance(self._limit, step_batch_size, self.settings)
+
+    def set_budget(self, budget_bytes: float) -> None:
+        """The peak memory to stay under, once the device is known (a front end's run starts on it).
+
+        Raises:
+            ValueError: ``budget_bytes`` is not a finite number > 0.
+        """
+        self.budget_bytes = check_number(budget_bytes, "budget_bytes", 0, min_inclusive=False, kind="number of bytes")
 
     def start_from(self, size: int) -> None:
         """Start an ``"auto"`` run at ``size`` instead of the whole step batch, e.g. a pre-flight's prediction.
