@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler
+from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler, check_lengths_match
 
 
 class BalancedSamplerState(pl.Callback):
@@ -16,7 +16,9 @@ class BalancedSamplerState(pl.Callback):
     Lightning restarts a plain ``DataLoader`` at the start of its epoch on a mid-epoch resume (it restores the
     position only of a stateful loader's, such as ``torchdata``'s ``StatefulDataLoader``), so without this callback a
     resumed run trains again on the step batches it already trained on, and never on the rest of the epoch's. Every
-    rank counts the same, so the resumed run continues the same global order at any world size.
+    rank counts the same, so the resumed run continues the same global order at any world size. At the start of
+    training it checks that each sampler holds one length for each sample of its DataLoader's dataset
+    (`check_loader_lengths`).
 
     Example:
         >>> BalancedSamplerState().state_dict()
@@ -35,6 +37,7 @@ class BalancedSamplerState(pl.Callback):
                 "`BalancedSamplerState` found no `BalancedBatchSampler` in the train DataLoader. Pass"
                 " `DataLoader(dataset, batch_sampler=BalancedBatchSampler(...))`, or drop the callback."
             )
+        check_loader_lengths(trainer.train_dataloader)
         if self._pending is not None:
             for sampler in samplers:
                 sampler.resume(*self._pending)
@@ -67,9 +70,36 @@ class BalancedSamplerState(pl.Callback):
 
 def balanced_samplers(loaders: Any) -> list[BalancedBatchSampler]:
     """The `BalancedBatchSampler` of every DataLoader in ``loaders`` (one, or a list or dict of them)."""
+    return [sampler for _, sampler in _loaders_with_samplers(loaders)]
+
+
+def check_loader_lengths(loaders: Any) -> None:
+    """Raise where a DataLoader's `BalancedBatchSampler` holds other than one length for each sample of its dataset.
+
+    ``loaders``: a DataLoader (Fabric's too), or a list or dict of them. Where a loader knows its dataset, the front
+    ends call it before training; the message names both counts (`lightning_accum.sequences.balanced_sampler
+    .check_lengths_match`). Pure: every rank holds the same lengths (or is refused), so every rank raises alike.
+    """
+    for loader, sampler in _loaders_with_samplers(loaders):
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None:
+            check_lengths_match(sampler, dataset)
+
+
+def weigh_shares(loaders: Any, front_end: str) -> None:
+    """Tell each `BalancedBatchSampler` in ``loaders`` that ``front_end`` weighs every rank's loss by its count.
+
+    A sampler on several ranks that no front end weighs warns that the update is the ranks' mean of means (plain
+    DDP). Call it at the start of training, before the loader's second batch is drawn.
+    """
+    for sampler in balanced_samplers(loaders):
+        sampler.weighed_by = front_end
+
+
+def _loaders_with_samplers(loaders: Any) -> list[tuple[Any, BalancedBatchSampler]]:
     if isinstance(loaders, dict):
-        return [s for loader in loaders.values() for s in balanced_samplers(loader)]
+        return [pair for loader in loaders.values() for pair in _loaders_with_samplers(loader)]
     if isinstance(loaders, (list, tuple)):
-        return [s for loader in loaders for s in balanced_samplers(loader)]
+        return [pair for loader in loaders for pair in _loaders_with_samplers(loader)]
     sampler = getattr(loaders, "batch_sampler", None)
-    return [sampler] if isinstance(sampler, BalancedBatchSampler) else []
+    return [(loaders, sampler)] if isinstance(sampler, BalancedBatchSampler) else []
