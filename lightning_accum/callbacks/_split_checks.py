@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum import _compat
-from lightning_accum.callbacks.balanced_sampler_state import balanced_samplers
+from lightning_accum.callbacks.balanced_sampler_state import balanced_samplers, weigh_shares
 from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
 from lightning_accum.split.sync import (
     GradientSync,
@@ -98,6 +98,7 @@ def refuse_ranks_that_deal_apart(loaders: Any, world_size: int) -> None:
     Every rank must call it at the same point (a collective). ``loaders``: a DataLoader (Fabric's too), or a list or
     dict of them.
     """
+    weigh_shares(loaders, "split mode")  # it weighs each rank's loss by its count: the sampler need not warn
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return
     mine = [sampler.deal_settings() for sampler in balanced_samplers(loaders)]
