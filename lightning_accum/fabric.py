@@ -42,7 +42,8 @@ from lightning_accum.memory.oom import OOMInjector
 from lightning_accum.monitor.step_log import StepLog
 from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
 from lightning_accum.sequences import PaddedSequences
-from lightning_accum.split.session import SplitSession, balanced_samplers, refuse_ranks_that_deal_apart
+from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
+from lightning_accum.split.session import SplitSession, refuse_ranks_that_deal_apart
 from lightning_accum.split.sync import GradientSync
 
 __all__ = ["FabricAccumulation", "FabricMicroBatching"]
@@ -163,6 +164,8 @@ class FabricAccumulation(_FabricFrontEnd):
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """One epoch of the loader's batches, knowing the last (it closes a window); skips those run before a resume."""
+        check_loader_lengths(loader)
+        weigh_shares(loader, "FabricAccumulation")  # exact over ranks whose shares differ: the sampler need not warn
         skip, previous, have = self.batch_in_epoch, None, False
         for index, batch in enumerate(loader):
             if index < skip:

@@ -208,10 +208,14 @@ class MarkSteps(pl.Callback):
 
 
 def test_what_differs_between_the_ranks_samplers_is_named():
-    settings = BalancedBatchSampler(LENGTHS, GLOBAL, micro_batch_tokens=BUDGET).deal_settings()
-    assert balancing_agreement([[settings], [dict(settings)]]) is None
-    other = BalancedBatchSampler([*LENGTHS[:-1], LENGTHS[-1] + 1], GLOBAL, micro_batch_tokens=BUDGET).deal_settings()
-    message = balancing_agreement([[settings], [settings], [other]])
+    def settings(rank: int, world: int, lengths: list[int] = LENGTHS) -> dict[str, Any]:
+        return BalancedBatchSampler(
+            lengths, GLOBAL, micro_batch_tokens=BUDGET, num_replicas=world, rank=rank
+        ).deal_settings()
+
+    assert balancing_agreement([[settings(0, 2)], [settings(1, 2)]]) is None
+    other = settings(2, 3, [*LENGTHS[:-1], LENGTHS[-1] + 1])
+    message = balancing_agreement([[settings(0, 3)], [settings(1, 3)], [other]])
     assert message is not None and "`lengths` is '32 lengths, sha256" in message and "on rank 2" in message
-    assert "Rank 0 has 1 `BalancedBatchSampler`" in str(balancing_agreement([[settings], []]))
+    assert "Rank 0 has 1 `BalancedBatchSampler`" in str(balancing_agreement([[settings(0, 2)], []]))
     assert balancing_agreement([[], []]) is None  # no sampler on any rank: nothing to agree on

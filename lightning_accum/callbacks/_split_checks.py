@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum import _compat
-from lightning_accum.callbacks.balanced_sampler_state import balanced_samplers
-from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
 from lightning_accum.split.sync import (
     GradientSync,
     overlap_wait_warning,
@@ -87,22 +82,3 @@ def warn_about_batch_norm(pl_module: pl.LightningModule) -> None:
         " `AutoMicroBatching(<step batch size>, pin_micro_batch_size=True)` if it fits (it is still split after an"
         " OOM)."
     )
-
-
-def refuse_ranks_that_deal_apart(loaders: Any, world_size: int) -> None:
-    """Raise on every rank where the ranks' `BalancedBatchSampler`s in ``loaders`` would deal by different settings.
-
-    Each rank computes every step's deal from its own sampler: a rank with other lengths or another step cost deals
-    otherwise, and samples are lost or trained on twice, silently. Every rank takes part (an empty list where it has
-    no such sampler), so no rank waits on another, and every rank reads the same gathered settings, so all raise alike.
-    Every rank must call it at the same point (a collective). ``loaders``: a DataLoader (Fabric's too), or a list or
-    dict of them.
-    """
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return
-    mine = [sampler.deal_settings() for sampler in balanced_samplers(loaders)]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    message = ranks_deal_apart(every)
-    if message:
-        raise RuntimeError(message)

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -14,6 +15,7 @@ from lightning_accum import _compat
 from lightning_accum._util.cli_types import ImportPath, Milestones, PositiveInt
 from lightning_accum._util.log import log_info
 from lightning_accum.callbacks._owner import AccumulationOwner
+from lightning_accum.callbacks._window_checks import SAMPLE_COUNT_WITH_IGNORED_LABELS, holds_ignored_labels
 from lightning_accum.core.engine import ClosedWindow, Ranks
 from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.core.step_report import LossSum
@@ -25,6 +27,7 @@ from lightning_accum.schedules import (
     as_schedule,
     scale_learning_rates,
 )
+from lightning_accum.sequences.loaders import weigh_shares
 
 
 class AccumulationScheduler(AccumulationOwner):
@@ -103,6 +106,7 @@ class AccumulationScheduler(AccumulationOwner):
         self._closed: ClosedWindow | None = None
         self._trainer_k = 1  # what the Trainer was configured with, restored at teardown
         self._trainer: pl.Trainer | None = None
+        self._labels_checked = False  # `SAMPLE_COUNT_WITH_IGNORED_LABELS`: the first batch's labels, once per callback
 
     @property
     def _active_schedule(self) -> AccumulationSchedule:
@@ -200,6 +204,8 @@ class AccumulationScheduler(AccumulationOwner):
             # Lightning blocks DDP's and FSDP1's sync on all micro-batches but a window's last; FSDP2's needs this.
             self._install(_compat.block_fsdp2_backward_sync(trainer.strategy))
         self._new_window = True
+        # Every rank's loss is weighed by its count: a `BalancedBatchSampler`'s unequal shares give the exact update.
+        weigh_shares(trainer.train_dataloader, "AccumulationScheduler")
 
     def _estimate_optimizer_steps(self, batches_per_epoch: int) -> int:
         trainer = self._trainer
@@ -232,6 +238,7 @@ class AccumulationScheduler(AccumulationOwner):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._new_window = True  # windows never cross an epoch boundary
+        weigh_shares(trainer.train_dataloader, "AccumulationScheduler")  # a loader reloaded this epoch too
 
     @override
     def on_train_batch_start(
@@ -240,12 +247,20 @@ class AccumulationScheduler(AccumulationOwner):
         # Counted now, added at backward time: a micro-batch whose `training_step` returns None has no backward and
         # no items.
         n_items, n_samples = self.engine.count(batch)
+        if not self._labels_checked:
+            self._labels_checked = True
+            self._warn_about_the_sample_count(batch)
         if self._new_window or self._stepped:
             self._start_window(trainer, n_samples)
         else:
             self._position += 1
         self._stepped = False
         self._pending_counts = (n_items, n_samples)
+
+    def _warn_about_the_sample_count(self, batch: Any) -> None:
+        """Warn where samples are counted for a mean loss over labels that ignore tokens (rank 0's first batch)."""
+        if self.count_items is None and self.loss_reduction == "mean" and holds_ignored_labels(batch):
+            rank_zero_warn(SAMPLE_COUNT_WITH_IGNORED_LABELS)
 
     def _start_window(self, trainer: pl.Trainer, n_samples: int) -> None:
         self._new_window = False

@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler
+from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths
 
 
 class BalancedSamplerState(pl.Callback):
@@ -16,7 +16,9 @@ class BalancedSamplerState(pl.Callback):
     Lightning restarts a plain ``DataLoader`` at the start of its epoch on a mid-epoch resume (it restores the
     position only of a stateful loader's, such as ``torchdata``'s ``StatefulDataLoader``), so without this callback a
     resumed run trains again on the step batches it already trained on, and never on the rest of the epoch's. Every
-    rank counts the same, so the resumed run continues the same global order at any world size.
+    rank counts the same, so the resumed run continues the same global order at any world size. At the start of
+    training it checks that each sampler holds one length for each sample of its DataLoader's dataset
+    (`check_loader_lengths`).
 
     Example:
         >>> BalancedSamplerState().state_dict()
@@ -35,6 +37,7 @@ class BalancedSamplerState(pl.Callback):
                 "`BalancedSamplerState` found no `BalancedBatchSampler` in the train DataLoader. Pass"
                 " `DataLoader(dataset, batch_sampler=BalancedBatchSampler(...))`, or drop the callback."
             )
+        check_loader_lengths(trainer.train_dataloader)
         if self._pending is not None:
             for sampler in samplers:
                 sampler.resume(*self._pending)
@@ -63,13 +66,3 @@ class BalancedSamplerState(pl.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = (int(state_dict["epoch"]), int(state_dict["consumed"]))
-
-
-def balanced_samplers(loaders: Any) -> list[BalancedBatchSampler]:
-    """The `BalancedBatchSampler` of every DataLoader in ``loaders`` (one, or a list or dict of them)."""
-    if isinstance(loaders, dict):
-        return [s for loader in loaders.values() for s in balanced_samplers(loader)]
-    if isinstance(loaders, (list, tuple)):
-        return [s for loader in loaders for s in balanced_samplers(loader)]
-    sampler = getattr(loaders, "batch_sampler", None)
-    return [sampler] if isinstance(sampler, BalancedBatchSampler) else []

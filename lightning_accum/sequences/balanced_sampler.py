@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -51,16 +52,22 @@ class BalancedBatchSampler(Sampler[list[int]]):
     Under Lightning's default ``use_distributed_sampler=True`` nothing needs changing: Lightning rebuilds the sampler
     with its ``DistributedSampler`` as ``sampler``, from which it takes the world size and rank (its order is not
     used). Lightning's ``set_epoch`` reaches it through ``sampler``. To resume mid-epoch on the same step batches, add
-    `lightning_accum.callbacks.balanced_sampler_state.BalancedSamplerState` to the Trainer's callbacks.
+    `lightning_accum.callbacks.BalancedSamplerState` to the Trainer's callbacks.
+
+    Ranks hold different numbers of samples, so the update is exact only where each rank's loss is weighed by its
+    count: under `lightning_accum.AutoMicroBatching` (or `lightning_accum.AccumulationScheduler`, or
+    `lightning_accum.FabricMicroBatching`). Plain DDP averages the ranks' mean losses: on several ranks with no such
+    front end, the sampler warns once.
 
     Args:
-        lengths: each sample's length in tokens, in dataset order; or a function of a sample that returns it, read
-            once over ``dataset``.
+        lengths: each sample's length in tokens, in dataset order (one per sample: a 1-D sequence or tensor); or a
+            function of a sample that returns it, read once over ``dataset``.
         batch_size: the global step batch: samples per optimizer step over all ranks; at least the number of ranks.
-        dataset: the dataset, when ``lengths`` is a function.
-        num_replicas: the number of ranks; by default the injected ``sampler``'s, else ``torch.distributed``'s world
-            size if it is initialized, else 1.
-        rank: this rank; by default as ``num_replicas``.
+        dataset: the dataset, when ``lengths`` is a function; given with lengths, it must hold one sample for each.
+        num_replicas: the number of ranks (the world size); by default the injected ``sampler``'s, else
+            ``torch.distributed``'s world size if it is initialized, else 1. Best left unset.
+        rank: this rank; by default as ``num_replicas``. Best left unset: where every rank's settings are gathered
+            (split mode), two ranks of one ``rank``, or a ``num_replicas`` other than the world size, are refused.
         seed: the permutation's seed (the epoch is added to it).
         drop_last: drop the epoch's last step batch when it holds fewer than ``batch_size`` samples. Kept, a last step
             batch with fewer samples than ranks takes samples from the epoch's first step batch, one a rank.
@@ -83,7 +90,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     Raises:
         TypeError: ``lengths`` is neither a sequence of ints nor a function, or is a function without ``dataset``.
-        ValueError: a length is negative, ``batch_size < 1``, or ``rank`` is outside ``num_replicas``.
+        ValueError: ``lengths`` is not 1-D, a length is negative, ``lengths`` and ``dataset`` differ in count,
+            ``batch_size < 1``, ``num_replicas < 1``, or ``rank`` is outside ``num_replicas``.
 
     Example:
         >>> lengths = [30, 2, 3, 25, 4, 5, 20, 6]
@@ -108,7 +116,13 @@ class BalancedBatchSampler(Sampler[list[int]]):
         sampler: Any = None,
     ) -> None:
         self.lengths = _read_lengths(lengths, dataset)
+        if dataset is not None:
+            check_lengths_match(self, dataset)
         self.batch_size = check_int(batch_size, "batch_size", 1, hint="It is the global step batch, all ranks.")
+        if num_replicas is not None:
+            check_int(num_replicas, "num_replicas", 1, hint=_LEAVE_UNSET)
+        if rank is not None:
+            check_int(rank, "rank", 0, hint=_LEAVE_UNSET)
         if method not in balancing.METHODS:
             raise ValueError(f"`method` must be one of {balancing.METHODS}, got {method!r}.")
         self.num_replicas, self.rank, self.seed = num_replicas, rank, int(seed)
@@ -117,6 +131,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.costs = balancing.sample_costs(self.lengths, quadratic)
         self.step_cost = balancing.StepCost(micro_batch_tokens, float(pass_cost_tokens), quadratic)
         self._resume: tuple[int, int] | None = None  # (epoch, step batches already trained), set by `resume`
+        self.weighed_by: str | None = None
+        """The front end that weighs each rank's loss by its count, where one does (it says so, at the start of
+        training); ``None`` on several ranks warns that the update is the ranks' mean of means."""
+        self._warned = False
         world, me = self.world()  # checked now, not at the first batch
         del world, me
         kwargs = {
@@ -173,12 +191,16 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return [[batch[p] for p in part] for part in parts]
 
     def deal_settings(self) -> dict[str, Any]:
-        """What every rank's deal depends on, which must be the same on every rank (`ranks_deal_apart` compares them).
+        """What every rank's deal depends on (`ranks_deal_apart` compares them): the same on every rank, but ``rank``.
 
-        The lengths as their count and a digest. The world size and the epoch are Lightning's, the same on every rank.
+        The lengths as their count and a digest; ``num_replicas`` and ``rank`` as this sampler resolves them (each
+        rank's own, all of them the world size). The epoch is Lightning's, the same on every rank.
         """
         digest = hashlib.sha256(array("q", self.lengths).tobytes()).hexdigest()[:16]
+        world, rank = self.world()
         return {
+            "num_replicas": world,
+            "rank": rank,
             "lengths": f"{len(self.lengths)} lengths, sha256 {digest}",
             "batch_size": self.batch_size,
             "seed": self.seed,
@@ -205,10 +227,22 @@ class BalancedBatchSampler(Sampler[list[int]]):
             start = self._resume[1]
         self._resume = None
         batches = self.global_batches(epoch)
-        for batch in batches[start:]:
+        for drawn, batch in enumerate(batches[start:]):
+            if drawn == 1:  # not at the first: Lightning draws it before the front ends' `on_train_start`
+                self._warn_where_unweighed()
             if len(batch) < world:  # the kept last step batch: one sample a rank, as DistributedSampler pads
                 batch = batch + batches[0][: world - len(batch)]
             yield self.deal(batch, world)[rank]
+
+    def _warn_where_unweighed(self) -> None:
+        """Warn once (on rank 0) where ranks run and no front end weighs each rank's loss by its count."""
+        if self.weighed_by is not None or self._warned or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size() < 2:
+            return
+        self._warned = True
+        if dist.get_rank() == 0:
+            warnings.warn(UNWEIGHED_SHARES, stacklevel=3)
 
     def __len__(self) -> int:
         steps = len(self.lengths) / self.batch_size
@@ -221,6 +255,53 @@ class BalancedBatchSampler(Sampler[list[int]]):
         )
 
 
+_LEAVE_UNSET = (
+    "Leave `num_replicas` and `rank` unset: the sampler takes them from Lightning's `DistributedSampler`, else from"
+    " `torch.distributed`."
+)
+
+UNWEIGHED_SHARES = (
+    "`BalancedBatchSampler` deals the ranks different numbers of samples, and no lightning_accum front end weighs"
+    " each rank's loss by its count: DDP averages the ranks' mean losses, so a sample counts more on a rank that holds"
+    " fewer, and the update is not the mean over the global batch (`DistributedSampler`'s equal shares would be). For"
+    " an exact update, train in split mode: add `lightning_accum.AutoMicroBatching` to the Trainer's callbacks (the"
+    " DataLoader yields each rank's step batch, as this sampler deals it), or step through"
+    " `lightning_accum.FabricMicroBatching.batches` in a Fabric loop; `AccumulationScheduler` weighs the ranks too."
+)
+"""The warning of a sampler on several ranks that no front end weighs (`BalancedBatchSampler.weighed_by`)."""
+
+
+def check_lengths_match(sampler: BalancedBatchSampler, dataset: Any) -> None:
+    """Raise where ``sampler`` holds other than one length for each of ``dataset``'s samples.
+
+    A dataset with no length passes. Every front end that knows the sampler's dataset (its DataLoader's) calls it
+    before training.
+
+    Raises:
+        ValueError: the counts differ, naming both: shorter, the last samples would never be trained; longer, the
+            sampler would draw indices past the dataset's end.
+
+    Example:
+        >>> check_lengths_match(BalancedBatchSampler([3, 1, 2], 2), ["a", "b", "c"])
+    """
+    try:
+        samples = len(dataset)
+    except TypeError:  # an iterable dataset: it has no count to check
+        return
+    count = len(sampler.lengths)
+    if count == samples:
+        return
+    if count < samples:
+        what = f"samples {count} to {samples - 1} would never be trained"
+    else:
+        what = f"indices {samples} to {count - 1} are past the dataset's end (an IndexError in its `__getitem__`)"
+    raise ValueError(
+        f"`BalancedBatchSampler` has {count} `lengths` but its dataset has {samples} samples: {what}. Pass one length"
+        " per sample, in dataset order (of a `Subset`, its own: `[lengths[i] for i in subset.indices]`), or"
+        " `lengths=<function of a sample>` with `dataset=` to read them from the dataset itself."
+    )
+
+
 def _read_lengths(lengths: Any, dataset: Any) -> list[int]:
     if callable(lengths):
         if dataset is None:
@@ -229,12 +310,24 @@ def _read_lengths(lengths: Any, dataset: Any) -> list[int]:
                 " `dataset=` too, or pass the lengths themselves."
             )
         lengths = [lengths(dataset[i]) for i in range(len(dataset))]
+    shape = tuple(getattr(lengths, "shape", ()))
+    if len(shape) > 1 or (hasattr(lengths, "tolist") and len(shape) != 1):
+        raise ValueError(
+            f"`lengths` must be 1-D (one length a sample), got shape {shape}. For a (N, 1) tensor pass"
+            " `lengths.squeeze(1)`; from a padding mask, `mask.sum(1)` (without `keepdim=True`)."
+        )
     if hasattr(lengths, "tolist"):  # a tensor or an array
         lengths = lengths.tolist()
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
         raise TypeError(
             f"`lengths` must be each sample's length (a sequence of ints) or a function of a sample, got"
             f" {type(lengths).__name__}."
+        )
+    nested = next((n for n in lengths if isinstance(n, Sequence) and not isinstance(n, (str, bytes))), None)
+    if nested is not None:
+        raise ValueError(
+            f"`lengths` must be 1-D (one int a sample), got a sequence holding {nested!r}. Flatten it: for [[n], ...]"
+            " pass `[n for (n,) in lengths]`; from a padding mask, `mask.sum(1).tolist()`."
         )
     values = [int(n) for n in lengths]
     if any(n < 0 for n in values):
@@ -245,7 +338,9 @@ def _read_lengths(lengths: Any, dataset: Any) -> list[int]:
 def ranks_deal_apart(every_rank: Sequence[Sequence[dict[str, Any]]]) -> str | None:
     """The error to raise where the ranks' `BalancedBatchSampler` settings differ; ``None`` if every rank deals alike.
 
-    ``every_rank`` holds each rank's samplers' `BalancedBatchSampler.deal_settings`, by rank.
+    ``every_rank`` holds each rank's samplers' `BalancedBatchSampler.deal_settings`, by rank (as gathered: its length
+    is the world size). Every setting must be the same on every rank, but ``rank``, which must differ on each, with
+    ``num_replicas`` the world size: two ranks of one ``rank`` would train the same share, and another share never.
 
     Example:
         >>> one = {"seed": 0, "pass_cost_tokens": 112.0}
@@ -259,9 +354,14 @@ def ranks_deal_apart(every_rank: Sequence[Sequence[dict[str, Any]]]) -> str | No
                 f"Rank 0 has {len(first)} `BalancedBatchSampler` in its train DataLoader and rank {rank} has"
                 f" {len(settings)}. Give every rank the same train DataLoader."
             )
+    for position in range(len(first)):
+        apart = _shares_apart([settings[position] for settings in every_rank])
+        if apart:
+            return apart
+    for rank, settings in enumerate(every_rank[1:], start=1):
         for mine, theirs in zip(first, settings, strict=True):
             for name, value in mine.items():
-                if theirs.get(name) != value:
+                if name != "rank" and theirs.get(name) != value:
                     return (
                         f"The ranks' `BalancedBatchSampler`s would deal apart: `{name}` is {value!r} on rank 0 and"
                         f" {theirs.get(name)!r} on rank {rank}. Every rank computes each step's deal itself, so with"
@@ -269,3 +369,34 @@ def ranks_deal_apart(every_rank: Sequence[Sequence[dict[str, Any]]]) -> str | No
                         " every rank (a step cost from `measure_step_cost`, called on every rank, is the same on all)."
                     )
     return None
+
+
+def _shares_apart(samplers: Sequence[dict[str, Any]]) -> str | None:
+    """The error where one sampler's ranks (one a process) do not take each share of the deal once; else ``None``."""
+    world = len(samplers)
+    wrong = [
+        (process, s["num_replicas"]) for process, s in enumerate(samplers) if s.get("num_replicas", world) != world
+    ]
+    if wrong:
+        process, num_replicas = wrong[0]
+        return (
+            f"`BalancedBatchSampler(num_replicas={num_replicas})` on rank {process}, but {world} ranks train: each step"
+            f" would be dealt in {num_replicas} shares, so samples would be lost or trained on twice. Leave"
+            " `num_replicas` and `rank` unset (the sampler takes them from Lightning's `DistributedSampler`, else from"
+            f" `torch.distributed`), or pass the world size, {world}."
+        )
+    holders: dict[int, list[int]] = {}
+    for process, s in enumerate(samplers):
+        if s.get("rank") is not None:
+            holders.setdefault(int(s["rank"]), []).append(process)
+    twice = next(((rank, processes) for rank, processes in holders.items() if len(processes) > 1), None)
+    if twice is None:
+        return None
+    rank, processes = twice
+    missing = sorted(set(range(world)) - set(holders))
+    return (
+        f"`BalancedBatchSampler(rank={rank})` on ranks {', '.join(map(str, processes))}: they would train the same"
+        f" share of each step, and the share of rank {', '.join(map(str, missing))} never. Leave `rank` unset (the"
+        " sampler takes it from Lightning's `DistributedSampler`, else from `torch.distributed`), or pass each"
+        " process's own: `trainer.global_rank`, `fabric.global_rank` or `torch.distributed.get_rank()`."
+    )

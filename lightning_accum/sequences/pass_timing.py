@@ -14,8 +14,8 @@ forward and backward on the shapes your cut makes and fits them:
    with no negative term, as a `StepCost` in tokens: ``pass_cost_tokens = a / b``, ``quadratic = b / c``.
 
 **Every rank must deal by the same figures**, or the ranks' deals differ and samples are lost or seen twice. Under
-``torch.distributed``, call `measure_step_cost` on every rank: each times its passes (at once, as they train), and
-all take rank 0's fit of their mean times.
+``torch.distributed``, call `measure_step_cost` on every rank: each times rank 0's shapes (at once, as they train),
+and all take rank 0's fit of their mean times.
 
 Example:
     >>> shapes = [(1, 64), (4, 64), (1, 256), (4, 256), (2, 512)]
@@ -31,6 +31,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,8 @@ def measure_step_cost(
             training does (``run_pass(rows, length)``); what it returns is not used. Leave the gradients to it (zero
             them, or not: a pass's time is what is measured).
         lengths: your data's lengths in tokens (all of them, or a sample): the shapes timed are the ones its shares
-            cut into.
+            cut into. Under ``torch.distributed`` each rank may pass its own (its shard's): every rank times the
+            shapes drawn from rank 0's, so that the ranks' times of each shape can be averaged.
         micro_batch_tokens: the token budget split by tokens cuts at (`AutoMicroBatching`'s ``micro_batch_tokens``).
         per_rank: sequences per rank per step, the shares whose cuts are timed.
         repeats: timed passes per shape (after a warm-up one); the fastest counts.
@@ -79,12 +81,20 @@ def measure_step_cost(
 
     Raises:
         ValueError: ``lengths`` is empty, or the timings gave no cost per token (see `fit_step_cost`).
-        RuntimeError: under ``torch.distributed``, another rank failed to time its passes (every rank raises: the one
-            that failed its own error, the others this, naming it), so no rank waits for another.
+        RuntimeError: under ``torch.distributed``, another rank failed to draw its shapes or to time its passes (every
+            rank raises: the one that failed its own error, the others this, naming it), so no rank waits for another.
     """
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     try:
         shapes = pass_shapes(lengths, micro_batch_tokens, per_rank=per_rank, seed=seed)
+    except Exception as err:  # told to every rank, which all raise: none is left waiting at the gather
+        if distributed:
+            with contextlib.suppress(RuntimeError):  # what the others are told; this rank raises its own
+                _rank_zeros_shapes(f"{type(err).__name__}: {err}")
+        raise
+    if distributed:  # each rank may pass its own shard's lengths: all time rank 0's shapes, so their times average
+        shapes = _rank_zeros_shapes(shapes)
+    try:
         seconds = time_passes(run_pass, shapes, repeats=repeats, synchronize=synchronize, clock=clock)
     except Exception as err:  # told to every rank, which all raise: none is left waiting at the gather
         if distributed:
@@ -94,6 +104,22 @@ def measure_step_cost(
     if not distributed:
         return fit_step_cost(shapes, seconds, micro_batch_tokens)
     return _agree_on_one_fit((shapes, seconds), micro_batch_tokens)
+
+
+def _rank_zeros_shapes(mine: list[Shape] | str) -> list[Shape]:
+    """Rank 0's shapes to time, on every rank; raises on every rank where one failed to draw its own.
+
+    A rank whose `pass_shapes` raised sends its error instead (and raises its own after this returns or raises).
+    """
+    every: list[list[Shape] | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    failed = [(rank, got) for rank, got in enumerate(every) if not isinstance(got, list)]
+    if failed:
+        rank, error = failed[0]
+        raise RuntimeError(
+            f"Rank {rank} failed to draw the shapes to time from its `lengths`, so no rank times its passes: {error}"
+        )
+    return cast(list[Shape], every[0])  # a list: no rank failed
 
 
 def _agree_on_one_fit(timed: tuple[list[Shape], list[float]] | str, micro_batch_tokens: int) -> StepCost:

@@ -33,8 +33,9 @@ from lightning_accum.memory.backends import MemoryBackend, backend_for
 from lightning_accum.memory.budget import budget_bytes, check_max_memory, over_capacity_warning
 from lightning_accum.memory.oom import OOMInjector, release_cached_memory
 from lightning_accum.memory.sizes import format_size
-from lightning_accum.sequences import BalancedBatchSampler, PaddedSequences
+from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
+from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
 from lightning_accum.split.cold_start import PreflightStart
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent, PlannerSettings, Tokens
 from lightning_accum.split.preflight import Preflight
@@ -330,16 +331,6 @@ def check_sequences(
     return sequences
 
 
-def balanced_samplers(loaders: Any) -> list[BalancedBatchSampler]:
-    """The `BalancedBatchSampler` of every DataLoader in ``loaders`` (one, or a list or dict of them)."""
-    if isinstance(loaders, dict):
-        return [s for loader in loaders.values() for s in balanced_samplers(loader)]
-    if isinstance(loaders, (list, tuple)):
-        return [s for loader in loaders for s in balanced_samplers(loader)]
-    sampler = getattr(loaders, "batch_sampler", None)
-    return [sampler] if isinstance(sampler, BalancedBatchSampler) else []
-
-
 def refuse_ranks_that_deal_apart(loaders: Any, world_size: int) -> None:
     """Raise on every rank where the ranks' `BalancedBatchSampler`s in ``loaders`` would deal by different settings.
 
@@ -349,6 +340,8 @@ def refuse_ranks_that_deal_apart(loaders: Any, world_size: int) -> None:
     Every rank must call it at the same point (a collective). ``loaders``: a DataLoader (Fabric's too), or a list or
     dict of them.
     """
+    check_loader_lengths(loaders)  # every rank holds the same lengths, or this refuses them all
+    weigh_shares(loaders, "split mode")  # it weighs each rank's loss by its count: the sampler need not warn
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return
     mine = [sampler.deal_settings() for sampler in balanced_samplers(loaders)]
@@ -367,4 +360,4 @@ def _warn_about_the_sample_count(sequences: PaddedSequences | None, engine: Accu
     return True
 
 
-__all__ = ["SplitSession", "StepFigures", "balanced_samplers", "check_sequences"]
+__all__ = ["SplitSession", "StepFigures", "check_sequences", "refuse_ranks_that_deal_apart"]
