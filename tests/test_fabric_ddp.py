@@ -43,6 +43,7 @@ def test_two_ranks_exact(tmp_path, case):
 # ---------------------------------------------------------------------------------------------------------------------
 def _main(case: str) -> None:
     from lightning.fabric import Fabric
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import tests.helpers as h
     from lightning_accum import FabricAccumulation, FabricMicroBatching
@@ -111,6 +112,13 @@ def _main(case: str) -> None:
             else {0: 2, 2: 3}
         )
         acc = FabricAccumulation(fabric, model, optimizer, schedule, unit="step", count_items=count_tokens)
+        syncs = []  # DDP's gradient all-reduces (one bucket here): one per optimizer step, none per micro-batch
+
+        def counting_hook(state, bucket):
+            syncs.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model._forward_module.register_comm_hook(None, counting_hook)
         mine = per_rank[rank]
         loader = [mine[i : i + sizes[rank]] for i in range(0, len(mine), sizes[rank])]
         window: list[list[int]] = [[], []]
@@ -129,6 +137,7 @@ def _main(case: str) -> None:
                     optimizer.zero_grad()
                     window, steps = [[], []], steps + 1
         assert acc.optimizer_steps == steps >= 4
+        assert len(syncs) == steps, (len(syncs), steps)
         if case == "window-adaptive":
             assert acc.engine.schedule.noise_scale is not None and acc.engine.schedule.noise_scale.value().windows > 0
             assert ks[0] == 2 and 4 in ks, ks  # k followed the measured noise scale: windows of 2, then of 4 (+ tails)

@@ -192,6 +192,10 @@ class AutoMicroBatching(AccumulationOwner):
         return self.session.preflight
 
     @property
+    def fault_injector(self) -> OOMInjector | None:
+        return self.session.fault_injector
+
+    @property
     def preflight_result(self) -> Any:
         """What the cold start's trace found on this rank (`lightning_accum.split.preflight.Preflight`), or None."""
         return self.session.preflight_result

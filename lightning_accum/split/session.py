@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_accum._util.distributed import HasRanks
 from lightning_accum._util.log import log, log_info
-from lightning_accum._util.validation import check_bool, check_choice
+from lightning_accum._util.validation import check_bool, check_choice, check_int
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, Ranks
 from lightning_accum.core.step_report import AccumulationEvent, LossSum
 from lightning_accum.memory.backends import MemoryBackend, backend_for
@@ -59,6 +59,8 @@ SAMPLE_COUNT_BY_TOKENS = (
     " a LightningCLI config `count_items: {{class_path: lightning_accum.items.CountTokens, init_args: {{key: labels,"
     " shift: 1}}}}`. If the loss is a mean over samples, pass `count_items=CountSamples()` to say so."
 )
+
+_TOKENS_HINT = "It is the most padded tokens (samples x longest sequence) a micro-batch may hold, e.g. 4096."
 
 
 class StepFigures(NamedTuple):
@@ -104,6 +106,8 @@ class SplitSession:
         min_size = planner_settings.get("min_micro_batch_size", PlannerSettings.min_micro_batch_size)
         self.sequences = check_sequences(sequences, micro_batch_size, micro_batch_tokens, split_batch, min_size)
         size = micro_batch_tokens if sequences is not None else micro_batch_size
+        if sequences is not None and micro_batch_tokens != "auto":  # the planner's settings would name its own size
+            check_int(micro_batch_tokens, "micro_batch_tokens", 1, alternative='"auto"', hint=_TOKENS_HINT)
         settings = PlannerSettings(size, **planner_settings)
         self.planner = MicroBatchPlanner(settings, unit=Tokens() if sequences is not None else None)
         self.max_memory_given = max_memory  # as the user wrote it, for the run config
