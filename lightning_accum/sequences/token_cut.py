@@ -45,11 +45,11 @@ def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
     n, overhead = len(ordered), budget // MICRO_BATCH_COST
     cost, end = [0] * (n + 1), [n] * (n + 1)  # the cheapest cut of positions start.. n, and its first stop
     costs: Tensor | None = None  # `cost` from `filled` on, for the long windows
-    filled = n
+    filled, short = n, _SHORT_WINDOW  # read once: a global lookup a position is a few % of a small share's cut
     for start in range(n - 1, -1, -1):
         longest = max(1, ordered[start])  # sorted: the first is the group's longest
         last = min(n, start + max(1, budget // longest))
-        if last - start <= _SHORT_WINDOW:
+        if last - start <= short:
             best, stop = overhead + (last - start) * longest + cost[last], last
             for e in range(last - 1, start, -1):
                 here = overhead + (e - start) * longest + cost[e]
