@@ -25,7 +25,10 @@ micro-batches with 9% padding, against 3 with 35% when each micro-batch is fille
 (``examples/benchmarks/token_split.py``). A fraction of the budget, so the cut keeps its shape at every scale.
 """
 
-_SHORT_WINDOW = 48  # `cut_groups` takes the minimum over a window of up to this many stops in Python
+_SHORT_WINDOW = 256
+"""`cut_groups` takes the minimum over a window of up to this many stops in a plain loop, over a longer one in tensors:
+where they cost alike on this machine's CPU (256 sequences of 1-64 tokens at 4096 cut in 1.8 ms, against 3.6 ms
+vectorized from 48 stops on; 4096 at 65,536 in the same 0.07-0.09 s)."""
 
 
 def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
