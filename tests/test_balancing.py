@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_accum.sequences import BalancedBatchSampler, balancing, token_cut
-from lightning_accum.sequences.share_prices import share_prices
+from lightning_accum.sequences.share_prices import cut_stops, share_prices
 from lightning_accum.sequences.token_cut import TokenCut
 from tests.token_models import TokenSequences, pad_right
 
@@ -201,15 +201,47 @@ def cut_cost(lengths: list[int], budget: int, pass_cost: float) -> float:
     return sum(pass_cost + len(g) * lengths[order[g.start]] for g in cut.groups(budget))
 
 
-def test_the_cut_is_token_cuts_to_the_micro_batch_ties_included():
-    # Many equal lengths make ties: the plain cut must break them as TokenCut does, or a price is of another cut.
+def test_a_share_is_priced_by_the_cut_token_cut_makes_of_it_ties_included():
+    # Many equal lengths make ties: the price must be of the cut TokenCut makes, ties broken alike, or it prices
+    # another cut than split by tokens runs.
     rng = random.Random(0)
     for _ in range(2000):
         ordered = sorted(rng.choice([1, 2, 3, 5, 8, 16, 16, 32, 64, 100, 128, 512]) for _ in range(rng.randint(1, 20)))
-        ordered.reverse()
+        rng.shuffle(ordered)
         budget = rng.choice([16, 64, 128, 512, 1024])
-        cut = TokenCut(None, list(range(len(ordered))), ordered, ordered[0], 1)
-        assert balancing.cut_groups(ordered, budget) == [(g.start, g.stop) for g in cut.groups(budget)]
+        cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)
+        assert cost.of(ordered) == cut_cost(ordered, budget, 37.0)
+
+
+def batched_cut(shares: list[list[int]], budget: int) -> list[list[tuple[int, int]]]:
+    """Each share's ``(start, stop)`` micro-batches as `share_prices` cuts them, all shares in one batch."""
+    width = max(len(share) for share in shares)
+    lengths = torch.tensor([share + [0] * (width - len(share)) for share in shares], dtype=torch.int64)
+    stops = cut_stops(lengths, torch.tensor([len(share) for share in shares]), budget).tolist()
+    cuts = []
+    for share, row in zip(shares, stops, strict=True):
+        groups, start = [], 0
+        while start < len(share):
+            groups.append((start, row[start]))
+            start = row[start]
+        cuts.append(groups)
+    return cuts
+
+
+@pytest.mark.parametrize("short_window", [0, 10**9])  # `cut_groups`' every window vectorized, then none
+def test_the_batched_cut_of_many_shares_is_the_one_cut_stop_for_stop(monkeypatch, short_window):
+    # share_prices cuts a round's shares together, in tensors; it must make each share's cut as `cut_groups` does:
+    # ties, empty shares, 1-token rows, lengths over the budget, and windows of every length.
+    monkeypatch.setattr(token_cut, "_SHORT_WINDOW", short_window)
+    rng = random.Random(2)
+    for budget in (8, 16, 48, 64, 512, 1024, 4096):
+        shares = [
+            sorted(
+                (rng.choice([1, 1, 2, 3, 8, 16, 16, 32, 64, 100, 300, 600, 2000]) for _ in range(count)), reverse=True
+            )
+            for count in (rng.choice([0, 1, 2, 5, 8, 8, 13, 20, 80]) for _ in range(400))
+        ]
+        assert batched_cut(shares, budget) == [token_cut.cut_groups(share, budget) for share in shares], budget
 
 
 def test_many_shares_priced_at_once_are_step_costs_prices_to_the_bit():
@@ -222,19 +254,12 @@ def test_many_shares_priced_at_once_are_step_costs_prices_to_the_bit():
             sorted(rng.choice([1, 1, 2, 16, 16, 64, 100, 300, 600, 2000]) for _ in range(rng.randint(0, 20)))[::-1]
             for _ in range(3000)
         ]
-        priced = share_prices(
-            shares,
-            budget=budget,
-            overhead=budget // balancing.MICRO_BATCH_COST,
-            pass_cost_tokens=pass_cost,
-            quadratic=quadratic,
-        )
+        priced = share_prices(shares, budget=budget, pass_cost_tokens=pass_cost, quadratic=quadratic)
         assert priced == [cost.of(share) for share in shares]
-    assert share_prices([], budget=8, overhead=0, pass_cost_tokens=1.0, quadratic=None) == []
+    assert share_prices([], budget=8, pass_cost_tokens=1.0, quadratic=None) == []
 
 
 def test_a_step_cost_is_the_real_cuts_passes_and_padded_tokens():
-    assert balancing.MICRO_BATCH_COST == token_cut.MICRO_BATCH_COST
     for seed, budget in itertools.product(range(30), (64, 512, 1024)):
         lengths = bench_lengths(3 + seed % 14, seed)
         cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=37.0)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tests.helpers as h
-from lightning_accum.sequences import BalancedBatchSampler, balancing
+from lightning_accum.sequences import BalancedBatchSampler, token_cut
 from lightning_accum.sequences.pass_timing import fit_step_cost, measure_step_cost, pass_shapes, time_passes
 from tests.test_fsdp2 import _free_port
 
@@ -69,7 +69,7 @@ def test_a_share_priced_by_the_fit_is_the_machines_seconds():
         share = sorted(rng.choices(LENGTHS, k=8), reverse=True)
         seconds = sum(
             machine.a + machine.b * (stop - start) * share[start] + machine.c * (stop - start) * share[start] ** 2
-            for start, stop in balancing.cut_groups(share, 1024)
+            for start, stop in token_cut.cut_groups(share, 1024)
         )
         assert cost.of(share) * machine.b == pytest.approx(seconds, rel=1e-6)
 
@@ -96,7 +96,7 @@ def test_the_shapes_are_a_grid_within_the_budget_and_the_cuts_of_drawn_shares():
     rng = random.Random(0)
     for _ in range(24):
         share = sorted(rng.choices(LENGTHS, k=8), reverse=True)
-        assert {(stop - start, share[start]) for start, stop in balancing.cut_groups(share, 1024)} <= set(shapes)
+        assert {(stop - start, share[start]) for start, stop in token_cut.cut_groups(share, 1024)} <= set(shapes)
     # A sequence longer than the budget is a micro-batch of its own.
     assert (1, 3000) in pass_shapes([3000, 20, 20], 256)
 

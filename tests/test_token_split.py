@@ -15,9 +15,8 @@ from lightning_accum import AutoMicroBatching
 from lightning_accum.batches import SequenceTrim
 from lightning_accum.items import CountTokens
 from lightning_accum.memory.oom import OOMFault, OOMInjector
-from lightning_accum.sequences import PaddedSequences
+from lightning_accum.sequences import PaddedSequences, token_cut
 from lightning_accum.sequences.token_cut import MICRO_BATCH_COST, TokenCut
-from lightning_accum.split import tokens
 from lightning_accum.split.planner.messages import MicroBatchOOMError
 from tests.token_models import TinyCausalLM, TokenSequences, full_batch_reference, lognormal_lengths, pad_right
 
@@ -96,7 +95,7 @@ def test_the_long_windows_vectorized_minimum_cuts_as_the_short_windows_loop(monk
     lengths = sorted(lognormal_lengths(300, seed=seed, median=6, cap=120), reverse=True)
     cuts = {}
     for short_window in (0, 10**9):  # every window vectorized, then none
-        monkeypatch.setattr(tokens, "_SHORT_WINDOW", short_window)
+        monkeypatch.setattr(token_cut, "_SHORT_WINDOW", short_window)
         cut = TokenCut(None, list(range(300)), lengths, lengths[0], 1)
         cuts[short_window] = [[(r.start, r.stop) for r in cut.groups(budget)] for budget in (7, 64, 500, 2000, 9000)]
     assert cuts[0] == cuts[10**9]

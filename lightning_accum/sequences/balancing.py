@@ -38,6 +38,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from lightning_accum.sequences.share_prices import share_prices
+from lightning_accum.sequences.token_cut import cut_groups
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
 METHODS: tuple[Method, ...] = ("best", "karmarkar-karp", "greedy")
@@ -74,10 +75,6 @@ stops sooner, at `CLOSE_ENOUGH`)."""
 BATCHED_FROM = 256
 """`refine` prices this many new shares or more in one batch (`share_prices`), fewer one by one: a batch costs 1.4-5 ms
 whatever its size here; 256 shares of 8 took 3.7 ms batched, 4.6 ms one by one (512: 4.4 and 8.4; 8: 2.6 and 0.12)."""
-
-MICRO_BATCH_COST = 32
-"""`lightning_accum.sequences.token_cut.MICRO_BATCH_COST`, which the cut uses (tests/test_balancing.py checks they
-agree)."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -190,10 +187,10 @@ class StepCost:
     For each micro-batch its cut makes: the pass's fixed cost plus its padded tokens (plus attention's quadratic term).
 
     Split by tokens cuts a rank's step batch longest first into micro-batches of at most ``micro_batch_tokens`` padded
-    tokens (`lightning_accum.sequences.token_cut.TokenCut.groups`). Each is a forward and backward pass with a fixed
-    cost beyond its tokens, so two ranks with the same tokens but a different number of passes do not cost the same:
-    dealing by tokens alone leaves the pass counts unequal (on this machine's benchmark, tokens balanced to 1.008,
-    compute to 1.04-1.08).
+    tokens (`lightning_accum.sequences.token_cut.cut_groups`, the cut `TokenCut.groups` makes). Each is a forward and
+    backward pass with a fixed cost beyond its tokens, so two ranks with the same tokens but a different number of
+    passes do not cost the same: dealing by tokens alone leaves the pass counts unequal (on this machine's benchmark,
+    tokens balanced to 1.008, compute to 1.04-1.08).
 
     Attributes:
         micro_batch_tokens: the micro-batch token budget split by tokens cuts at (`AutoMicroBatching`'s
@@ -243,36 +240,6 @@ class StepCost:
             if self.quadratic is not None:
                 total += rows * longest * longest / self.quadratic
         return total
-
-
-def cut_groups(ordered: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each micro-batch split by tokens cuts ``ordered`` (lengths, longest first) into.
-
-    At a budget of ``budget`` padded tokens: `lightning_accum.sequences.token_cut.TokenCut.groups`' shortest path, in
-    plain Python for the few sequences of a rank's share (TokenCut's is vectorized for thousands);
-    tests/test_balancing.py checks they cut alike.
-
-    Example:
-        >>> cut_groups([9, 4, 4, 3, 1], 8)
-        [(0, 1), (1, 3), (3, 4), (4, 5)]
-    """
-    n, overhead = len(ordered), budget // MICRO_BATCH_COST
-    cost, end = [0] * (n + 1), [n] * (n + 1)
-    for start in range(n - 1, -1, -1):
-        longest = max(1, ordered[start])
-        last = min(n, start + max(1, budget // longest))
-        # The cheapest stop, the furthest on a tie (as TokenCut breaks them): a plain loop, the refinement's hot spot.
-        best, stop = overhead + (last - start) * longest + cost[last], last
-        for e in range(last - 1, start, -1):
-            here = overhead + (e - start) * longest + cost[e]
-            if here < best:
-                best, stop = here, e
-        cost[start], end[start] = best, stop
-    groups, start = [], 0
-    while start < n:
-        groups.append((start, end[start]))
-        start = end[start]
-    return groups
 
 
 def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: StepCost | None = None) -> list[list[int]]:
@@ -403,11 +370,9 @@ class _Prices:
         if len(unknown) < BATCHED_FROM:  # a batch's tensor work costs more than it saves (the same floats either way)
             self._known.update((key, self._cost._of_ordered(key)) for key in unknown)
         else:
-            budget = int(self._cost.micro_batch_tokens or 0)
             prices = share_prices(
                 unknown,
-                budget=budget,
-                overhead=budget // MICRO_BATCH_COST,
+                budget=int(self._cost.micro_batch_tokens or 0),
                 pass_cost_tokens=self._cost.pass_cost_tokens,
                 quadratic=self._cost.quadratic,
             )

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_accum._util.validation import check_int
-from lightning_accum.sequences.balancing import StepCost, cut_groups
+from lightning_accum.sequences.balancing import StepCost
+from lightning_accum.sequences.token_cut import cut_groups
 
 NEGLIGIBLE = 1e-6
 """`fit_step_cost` drops a quadratic term under this share of every shape's time (the fit's rounding, not attention),

@@ -2,7 +2,9 @@
 
 `lightning_accum.sequences.balancing.refine` prices every candidate move of a round (thousands of shares of a few
 sequences each, on 512 ranks) by the cut split by tokens would make of it. One share at a time in Python, that was
-seconds a step; here a round's shares are cut together, one tensor column of the shortest-path cut at a time.
+seconds a step; here a round's shares are cut together, one tensor column of the shortest-path cut at a time. It is
+`lightning_accum.sequences.token_cut.cut_groups` laid out across shares (at the same `MICRO_BATCH_COST`), not another
+cut: tests/test_balancing.py checks they cut alike, stop for stop, on many random shares.
 
 The prices are the same floats as `StepCost.of`'s, bit for bit, on any CPU: the cut is integer arithmetic, and the
 price's few float operations are element-wise (an addition and a division each, correctly rounded by IEEE 754) in
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_accum.sequences.token_cut import MICRO_BATCH_COST
+
 _NEVER = torch.iinfo(torch.int64).max // 4
 """A cut cost no stop reaches (a stop past the budget)."""
 
@@ -27,7 +31,6 @@ def share_prices(
     shares: Sequence[Sequence[int]],
     *,
     budget: int,
-    overhead: int,
     pass_cost_tokens: float,
     quadratic: float | None,
 ) -> list[float]:
@@ -36,14 +39,13 @@ def share_prices(
     Args:
         shares: lengths, each at least 1 and longest first (a share may be empty).
         budget: the micro-batch token budget the cut is made at.
-        overhead: the cut's own price of a micro-batch, in tokens (``budget // MICRO_BATCH_COST``).
         pass_cost_tokens: a pass's fixed cost in the price.
         quadratic: count ``rows * longest ** 2 / quadratic`` more per micro-batch; ``None``: no quadratic term.
     """
     if not shares:
         return []
     lengths, counts = _padded(shares)
-    stops = _cut_stops(lengths, counts, budget, overhead)
+    stops = cut_stops(lengths, counts, budget)
     return _priced(lengths, counts, stops, pass_cost_tokens, quadratic).tolist()
 
 
@@ -58,14 +60,16 @@ def _padded(shares: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
     return lengths, torch.tensor([len(share) for share in shares], dtype=torch.int64)
 
 
-def _cut_stops(lengths: Tensor, counts: Tensor, budget: int, overhead: int) -> Tensor:
-    """Where each micro-batch starting at a position stops: `balancing.cut_groups`' shortest path, every row at once.
+def cut_stops(lengths: Tensor, counts: Tensor, budget: int) -> Tensor:
+    """Where each micro-batch starting at a position stops: `token_cut.cut_groups`' shortest path, every row at once.
 
-    From the shortest sequence back: the stop of a micro-batch starting at ``start`` is the one that minimizes the cut's
-    own cost (``overhead`` per micro-batch plus its padded tokens) from there on, within the budget; on a tie, the
-    furthest (as `TokenCut` breaks them).
+    ``lengths`` holds a share a row, longest first and padded with zeros, ``counts`` each row's own length. From the
+    shortest sequence back: the stop of a micro-batch starting at ``start`` is the one that minimizes the cut's own
+    cost (``budget // MICRO_BATCH_COST`` per micro-batch plus its padded tokens) from there on, within the budget; on a
+    tie, the furthest (as `cut_groups` breaks them). Positions past a row's count stop at the width.
     """
     shares, width = lengths.shape
+    overhead = budget // MICRO_BATCH_COST
     cost = torch.zeros(shares, width + 1, dtype=torch.int64)
     stops = torch.full((shares, width + 1), width, dtype=torch.int64)
     for start in range(width - 1, -1, -1):

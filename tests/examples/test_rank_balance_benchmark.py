@@ -14,7 +14,7 @@ import math
 import pytest
 
 import tests.helpers as h
-from lightning_accum.sequences import balancing
+from lightning_accum.sequences import balancing, token_cut
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(900)]
 
@@ -24,7 +24,7 @@ def priced(lengths: list[int], cost: balancing.StepCost) -> float:
     ordered, q = sorted(lengths, reverse=True), cost.quadratic
     return sum(
         cost.pass_cost_tokens + (stop - start) * ordered[start] + ((stop - start) * ordered[start] ** 2 / q if q else 0)
-        for start, stop in balancing.cut_groups(ordered, int(cost.micro_batch_tokens or 0))
+        for start, stop in token_cut.cut_groups(ordered, int(cost.micro_batch_tokens or 0))
     )
 
 
