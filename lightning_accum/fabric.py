@@ -43,7 +43,7 @@ from lightning_accum.monitor.step_log import StepLog
 from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
-from lightning_accum.split.session import SplitSession, refuse_ranks_that_deal_apart
+from lightning_accum.split.session import SplitSession
 from lightning_accum.split.sync import GradientSync
 
 __all__ = ["FabricAccumulation", "FabricMicroBatching"]
@@ -311,7 +311,7 @@ class FabricMicroBatching(_FabricFrontEnd):
         """
         samplers = balanced_samplers(loader)
         if not self._samplers_checked:
-            refuse_ranks_that_deal_apart(loader, self.fabric.world_size)
+            self.session.watch_loaders(loader, self.fabric.world_size)
             self._samplers_checked = True
         _fabric.start_loader_epoch(loader, self.epoch)
         for sampler in samplers:

@@ -37,7 +37,7 @@ from lightning_accum.core.normalization import ItemCounter, LossReduction
 from lightning_accum.memory.oom import OOMInjector
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.split.planner import PlannerSettings
-from lightning_accum.split.session import SplitSession, refuse_ranks_that_deal_apart
+from lightning_accum.split.session import SplitSession
 from lightning_accum.split.sync import GradientSync, trainer_sync_kind
 
 __all__ = ["AutoMicroBatching"]
@@ -221,7 +221,7 @@ class AutoMicroBatching(AccumulationOwner):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        refuse_ranks_that_deal_apart(trainer.train_dataloader, trainer.world_size)
+        self.session.watch_loaders(trainer.train_dataloader, trainer.world_size)
         strategy = trainer.strategy
         runner = self.session.start(trainer, strategy, trainer_sync_kind(strategy, trainer.world_size), pl_module)
         self._install(_compat.install_split_closure(trainer, runner))

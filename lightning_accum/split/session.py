@@ -35,6 +35,7 @@ from lightning_accum.memory.oom import OOMInjector, release_cached_memory
 from lightning_accum.memory.sizes import format_size
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
+from lightning_accum.sequences.balancing import StepCost
 from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
 from lightning_accum.split.cold_start import PreflightStart
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent, PlannerSettings, Tokens
@@ -127,6 +128,7 @@ class SplitSession:
         self._retries_at_start = 0
         self._cold = False
         self._warned_sample_count = False
+        self._price: StepCost | None = None  # the balanced sampler's, where one deals the steps
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -164,6 +166,8 @@ class SplitSession:
             fault_injector=self.fault_injector,
             sequences=self.sequences,
         )
+        if self._price is not None:
+            self.runner.price = self._price
         planner = self.planner
         # "auto", not resumed with a size already chosen: the first step is traced.
         self._cold = self.preflight and planner.settings.predictive and planner.settings.micro_batch_size == "auto"
@@ -173,6 +177,19 @@ class SplitSession:
             f" ({backend.name})"
         )
         return self.runner
+
+    def watch_loaders(self, loaders: Any, world_size: int) -> None:
+        """Check the run's loaders before any step (every rank alike), and price steps as their sampler deals them.
+
+        A `BalancedBatchSampler` that deals by a measured pass cost (or a quadratic term) has the ranks' balance
+        (``accum/rank_imbalance``) priced by the same figures. See `refuse_ranks_that_deal_apart`.
+        """
+        refuse_ranks_that_deal_apart(loaders, world_size)
+        samplers = balanced_samplers(loaders)
+        if samplers:
+            self._price = samplers[0].step_cost
+            if self.runner is not None:
+                self.runner.price = self._price
 
     @property
     def policy(self) -> SyncPolicy:

@@ -35,7 +35,7 @@ from lightning_accum.core.step_report import LossSum
 from lightning_accum.memory.backends import MemoryBackend
 from lightning_accum.memory.oom import OOMInjector, describe_error, is_oom_error, release_memory
 from lightning_accum.sequences import PaddedSequences
-from lightning_accum.sequences.balancing import PASS_COST_TOKENS
+from lightning_accum.sequences.balancing import StepCost
 from lightning_accum.sequences.token_cut import TokenCut, TokenStats, check_items_kept
 from lightning_accum.split.planner import MicroBatchPlanner
 from lightning_accum.split.step_logs import StepLogCombiner
@@ -163,6 +163,7 @@ class SplitStepRunner:
         self.gradient_allreduces = 0  # collectives the policy issued after the steps, for tests and benchmarks
         self._agreed: Agreement | None = None  # this attempt's agreement before the synced backward, once made
         self.passes = 0  # micro-batches the current attempt cut
+        self.price = StepCost()  # how a step is priced by tokens: the balanced sampler's, where one deals the steps
         self.wait_seconds = 0.0  # this rank's time in the last agreement: waiting for the slowest rank to arrive
 
     def __call__(self, context: _compat.SplitStepContext) -> Any:
@@ -185,13 +186,17 @@ class SplitStepRunner:
     def step_cost(self) -> int:
         """What this rank's step cost, the figure the ranks' balance compares (`RankBalance`).
 
-        By tokens, the padded tokens its micro-batches computed plus a pass's fixed cost for each
-        (`lightning_accum.sequences.balancing.PASS_COST_TOKENS`), as `lightning_accum.sequences.BalancedBatchSampler`
-        prices a rank's share; by samples, its samples (a sample costs the same on every rank when nothing is trimmed).
+        By tokens, the padded tokens its micro-batches computed plus a pass's fixed cost for each, priced as the
+        `lightning_accum.sequences.BalancedBatchSampler` that deals the step prices a rank's share (``price``: its
+        measured pass cost and quadratic term; else the default `lightning_accum.sequences.StepCost`); by samples,
+        its samples (a sample costs the same on every rank when nothing is trimmed).
         """
         if self.tokens is None:
             return self.step_batch_size
-        return round(self.tokens.padded + PASS_COST_TOKENS * self.passes)
+        price = self.price
+        if price.quadratic is None or self.cut is None:
+            return round(self.tokens.padded + price.pass_cost_tokens * self.passes)
+        return round(StepCost(self.size, price.pass_cost_tokens, price.quadratic).of(self.cut.lengths))
 
     def summed_figures(self) -> tuple[int, ...]:
         """This rank's figures to sum over ranks with the window's counts: its step cost, then `token_sums`."""
