@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,3 +204,13 @@ def test_the_venv_that_tox_writes_is_ignored(tmp_path: Path, as_folder: bool) ->
     git = ["git", "-C", str(tmp_path), "-c", "core.excludesFile=/dev/null"]
     status = subprocess.run([*git, "status", "--porcelain"], check=True, capture_output=True, text=True).stdout
     assert status.splitlines() == ["?? .gitignore"]
+
+
+def test_the_fabric_pages_examples_run_clean(sandbox: Path) -> None:
+    """A user who pastes docs/fabric.md's examples gets no warning of ours (issue 35, item 15)."""
+    page = ROOT / "docs" / "fabric.md"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_blocks([block for block in BLOCKS[page] if not block.needs])
+    ours = [str(w.message) for w in caught if "lightning_accum" in w.filename or "PaddedSequences" in str(w.message)]
+    assert ours == []
