@@ -39,7 +39,9 @@ def waited_in(out_dir: str, rank: int, collective: Callable[[], object]) -> None
     """Run ``collective`` and write how long it waited before it raised to ``out_dir/waited{rank}.txt``.
 
     The time the ranks take to start is the loaded machine's; the wait is what the process-group timeout bounds.
+    ``out_dir/entered{rank}.txt`` says that the rank has come this far: it is about to wait in ``collective``.
     """
+    Path(out_dir, f"entered{rank}.txt").write_text("")
     start = time.monotonic()
     try:
         collective()
@@ -126,9 +128,8 @@ def test_start_ranks_raises_the_error_of_the_rank_that_failed_first_not_of_the_f
 
 
 INNER_TEST = """
-import os
-from collections.abc import Callable
-from datetime import timedelta
+import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -136,10 +137,24 @@ import torch.multiprocessing as mp
 from tests.test_rank_harness import _mismatched
 
 
-@pytest.mark.timeout({pytest_timeout})
-def test_hangs():
-    # Torch's own spawn with the default 30-minute process-group timeout: only pytest's timeout ends the wait.
-    mp.start_processes(_mismatched, args=({port}, 1800.0, {out!r}), nprocs=2, start_method="spawn")
+@pytest.fixture
+def ranks_in_their_collectives():
+    # Torch's own spawn with the default 30-minute process-group timeout. Waited for (outside the test's timeout,
+    # however long the loaded machine takes to start them) until both ranks are in their mismatched collectives.
+    args = ({port}, 1800.0, {out!r})
+    context = mp.start_processes(_mismatched, args=args, nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 120
+    while not all(Path({out!r}, f"entered{{rank}}.txt").exists() for rank in range(2)):
+        assert time.monotonic() < deadline, "the ranks did not reach their collectives in 120 s"
+        time.sleep(0.1)
+    return context
+
+
+@pytest.mark.timeout({pytest_timeout}, func_only=True)
+def test_hangs(ranks_in_their_collectives):
+    # What `mp.start_processes(..., join=True)` does: only pytest's timeout ends the wait.
+    while not ranks_in_their_collectives.join():
+        pass
 """
 
 
@@ -171,7 +186,9 @@ def processes_with(marker: str, grace_s: float = 10.0) -> list[int]:
 
 def test_a_hang_past_pytests_timeout_fails_and_the_fixture_kills_the_ranks(tmp_path):
     # The backstop alone: a pytest run of a test that hangs in mismatched collectives without the helpers' timeout.
-    pytest_timeout = 20
+    # The timeout counts from the moment both ranks wait in their collectives (the ranks' start is not timed): a few
+    # seconds prove the hang as well as more would.
+    pytest_timeout = 3
     (tmp_path / "test_inner.py").write_text(
         textwrap.dedent(INNER_TEST.format(pytest_timeout=pytest_timeout, port=_free_port(), out=str(tmp_path)))
     )
@@ -183,5 +200,8 @@ def test_a_hang_past_pytests_timeout_fails_and_the_fixture_kills_the_ranks(tmp_p
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
-    assert "Timeout (>20.0s)" in out and "the test left 2 process(es) running; killed them" in out, out[-3000:]
+    assert "Timeout (>3.0s)" in out and "the test left 2 process(es) running; killed them" in out, out[-3000:]
+    # Both ranks were waiting in their mismatched collectives when the timeout struck, and neither got past them.
+    assert all((tmp_path / f"entered{rank}.txt").exists() for rank in range(2)), sorted(os.listdir(tmp_path))
+    assert not any((tmp_path / f"waited{rank}.txt").exists() for rank in range(2)), sorted(os.listdir(tmp_path))
     assert processes_with(marker) == []
