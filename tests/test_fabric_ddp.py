@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,37 +24,54 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
 
 
-def run_ranks(case: str, tmp_path: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FABRIC_CASE": case}
-    done = h.run_process_group([sys.executable, __file__], cwd=tmp_path, env=env, timeout=TIMEOUT, what=case)
-    assert done.returncode == 0, done.stdout[-4000:]
-    return done.stdout
+def run_ranks(cases: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FABRIC_CASES": ",".join(cases)}
+    what = ", ".join(cases)
+    return h.run_process_group([sys.executable, __file__], cwd=tmp_path, env=env, timeout=TIMEOUT, what=what)
 
 
 CASES = ["window", "window-adaptive", "split-deferred", "split-overlap", "split-tokens", "split-fsdp2"]
+LAUNCHES = [CASES[:5], CASES[5:]]
+"""The cases that share one launch of the ranks, one after the other (starting 2 ranks costs several seconds on a
+loaded 2-core machine): those under Fabric's ``DDPStrategy``, and the one under its ``ModelParallelStrategy``."""
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], subprocess.CompletedProcess[str]]:
+    """The run of the launch that holds a case, made the first time one of its cases asks."""
+    done: dict[int, subprocess.CompletedProcess[str]] = {}
+
+    def run_of(case: str) -> subprocess.CompletedProcess[str]:
+        (i,) = [i for i, cases in enumerate(LAUNCHES) if case in cases]
+        if i not in done:
+            done[i] = run_ranks(LAUNCHES[i], tmp_path_factory.mktemp(f"fabric-ddp-{i}"))
+        return done[i]
+
+    return run_of
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_exact(tmp_path, case):
-    out = run_ranks(case, tmp_path)
-    assert "OK rank 0" in out and "OK rank 1" in out, out[-3000:]
+def test_two_ranks_exact(launches, case):
+    done = launches(case)
+    # Every case of the launch passed: the ranks exit with 0 only after the last one.
+    assert done.returncode == 0, done.stdout[-4000:]
+    out = done.stdout
+    assert f"OK rank 0 {case}\n" in out and f"OK rank 1 {case}\n" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the ranks
 # ---------------------------------------------------------------------------------------------------------------------
-def _main(case: str) -> None:
+def _main(cases: list[str]) -> None:
+    """Launch the ranks once (one strategy for every case: FSDP2 for ``split-fsdp2``, DDP otherwise), then run the
+    cases one after the other in them."""
     from lightning.fabric import Fabric
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import tests.helpers as h
-    from lightning_accum import FabricAccumulation, FabricMicroBatching
-    from lightning_accum.memory.oom import OOMFault, OOMInjector
-    from lightning_accum.schedules import AdaptiveBatchSize
-    from lightning_accum.sequences import PaddedSequences
-    from tests.helpers import TokenDataset, count_tokens
 
-    if case == "split-fsdp2":
+    if "split-fsdp2" in cases:
+        assert cases == ["split-fsdp2"], cases
         from torch.distributed.fsdp import fully_shard
 
         def parallelize(module, mesh):
@@ -64,6 +83,21 @@ def _main(case: str) -> None:
         strategy = h.fabric_strategy()
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
+    for case in cases:
+        _run_case(fabric, case)
+    # Both ranks leave the group before they exit: a gloo group left to the interpreter's exit can abort the process
+    # there ("terminate called without an active exception", seen once in a full run after both ranks said OK).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _run_case(fabric, case: str) -> None:
+    from lightning_accum import FabricAccumulation, FabricMicroBatching
+    from lightning_accum.memory.oom import OOMFault, OOMInjector
+    from lightning_accum.schedules import AdaptiveBatchSize
+    from lightning_accum.sequences import PaddedSequences
+    from tests.helpers import TokenDataset, count_tokens
+
     rank = fabric.global_rank
     data = TokenDataset(48, seq_len=8, dim=5, seed=1)
 
@@ -178,12 +212,8 @@ def _main(case: str) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
     gathered = fabric.all_gather(flat)
     torch.testing.assert_close(gathered[0], gathered[1])
-    print(f"OK rank {rank}", flush=True)
-    # Both ranks leave the group before they exit: a gloo group left to the interpreter's exit can abort the process
-    # there ("terminate called without an active exception", seen once in a full run after both ranks said OK).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    print(f"OK rank {rank} {case}", flush=True)
 
 
 if __name__ == "__main__":
-    _main(os.environ["FABRIC_CASE"])
+    _main(os.environ["FABRIC_CASES"].split(","))
