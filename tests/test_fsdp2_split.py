@@ -121,7 +121,61 @@ def run_split(
 ) -> list[dict[str, Any]]:
     args = (_free_port(), str(out_dir), steps, faults, empty)
     h.start_ranks(_worker, args, WORLD_SIZE)
+    return load_split(out_dir)
+
+
+def load_split(out_dir: Any) -> list[dict[str, Any]]:
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+
+
+# ---- the cases that end without an error share one launch of the ranks ----------------------------------------------
+# Starting 2 ranks costs several seconds on a loaded 2-core machine: the runs that end normally run one after the other
+# in one `start_ranks` call, each with a process group of its own and its own output folder; each test checks its own.
+
+SHARED = {
+    "exact": (3, [], None),
+    # Step 0: OOM on rank 1 in micro-batch 1's forward. Step 2: in micro-batch 2's backward, after micro-batches 0
+    # and 1 accumulated unsharded gradients that the retry must not count twice.
+    "oom": (
+        4,
+        [
+            OOMFault(step=0, micro_batch=1, phase="forward", rank=1, when_size_above=MICRO // 2),
+            OOMFault(step=2, micro_batch=2, phase="backward", rank=1, when_size_above=MICRO // 2),
+        ],
+        None,
+    ),
+    # Rank 0's micro-batches from sample `first` on hold no loss-bearing token at step 1.
+    "last-micro-batch": (3, [], (1, STEP_BATCH - MICRO)),
+    # Every micro-batch of rank 0's step 1 holds no item, also in the retry at micro-batches of 2.
+    "whole-step": (3, [OOMFault(step=1, micro_batch=1, phase="forward", rank=0, when_size_above=2)], (1, 0)),
+}
+"""Each case: steps, faults, empty (as `run_split` takes them)."""
+
+
+def _shared_worker(rank: int, ports: list[int], out_dir: str) -> None:
+    for (name, (steps, faults, empty)), port in zip(SHARED.items(), ports, strict=True):
+        _worker(rank, port, os.path.join(out_dir, name), steps, faults, empty)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, BaseException | None]:
+    """The `SHARED` cases, run once for the module: their folder, and the error that stopped the ranks (or None)."""
+    out_dir = tmp_path_factory.mktemp("fsdp2-split")
+    for name in SHARED:
+        (out_dir / name).mkdir()
+    try:
+        h.start_ranks(_shared_worker, ([_free_port() for _ in SHARED], str(out_dir)), WORLD_SIZE)
+    except Exception as error:  # each test whose case did not finish fails with it
+        return out_dir, error
+    return out_dir, None
+
+
+def shared_split(shared_runs: tuple[Any, BaseException | None], name: str) -> list[dict[str, Any]]:
+    """What each rank saved in the shared case ``name``; the ranks' error where that case did not finish."""
+    out_dir, error = shared_runs
+    if error is not None and not all((out_dir / name / f"rank{r}.pt").exists() for r in range(WORLD_SIZE)):
+        raise RuntimeError(f"the shared ranks stopped before case {name!r} finished") from error
+    return load_split(out_dir / name)
 
 
 def check_exact(ranks: list[dict[str, Any]], steps: int, empty: tuple[int, int] | None = None) -> None:
@@ -141,15 +195,18 @@ def check_exact(ranks: list[dict[str, Any]], steps: int, empty: tuple[int, int] 
     assert [r["unsynced"] for r in ranks] == [[[]] * steps] * WORLD_SIZE
 
 
-def test_split_mode_under_fsdp2_is_exact_with_one_reduce_scatter_per_step(tmp_path):
+@pytest.mark.timeout(300)  # the first test to use `shared_runs` runs every shared case
+def test_split_mode_under_fsdp2_is_exact_with_one_reduce_scatter_per_step(shared_runs):
     steps = 3
-    ranks = run_split(tmp_path, steps, faults=[])
+    assert SHARED["exact"] == (steps, [], None)
+    ranks = shared_split(shared_runs, "exact")
     check_exact(ranks, steps)
     assert [r["sizes"] for r in ranks] == [[MICRO] * steps] * WORLD_SIZE
     assert [r["oom_retries"] for r in ranks] == [0, 0]
 
 
-def test_oom_on_one_rank_in_a_forward_or_an_unsynced_backward_is_retried_on_both(tmp_path):
+@pytest.mark.timeout(300)  # the first test to use `shared_runs` runs every shared case
+def test_oom_on_one_rank_in_a_forward_or_an_unsynced_backward_is_retried_on_both(shared_runs):
     # Step 0: OOM on rank 1 in micro-batch 1's forward. Step 2: in micro-batch 2's backward, after micro-batches 0
     # and 1 accumulated unsharded gradients that the retry must not count twice.
     steps = 4
@@ -157,7 +214,8 @@ def test_oom_on_one_rank_in_a_forward_or_an_unsynced_backward_is_retried_on_both
         OOMFault(step=0, micro_batch=1, phase="forward", rank=1, when_size_above=MICRO // 2),
         OOMFault(step=2, micro_batch=2, phase="backward", rank=1, when_size_above=MICRO // 2),
     ]
-    ranks = run_split(tmp_path, steps, faults)
+    assert SHARED["oom"] == (steps, faults, None)
+    ranks = shared_split(shared_runs, "oom")
     assert ranks[0]["fired"] == []
     assert ranks[1]["fired"] == [(1, 0, 1, "forward"), (1, 2, 2, "backward")]
     assert [r["oom_retries"] for r in ranks] == [2, 2]
@@ -189,6 +247,7 @@ def test_oom_inside_the_reduce_scattering_backward_is_a_clear_error_not_a_hang(t
         assert "synced backward" in error or "Connection closed by peer" in error, error
 
 
+@pytest.mark.timeout(300)  # the first test to use `shared_runs` runs every shared case
 @pytest.mark.parametrize(
     ("first", "faults"),
     [
@@ -197,11 +256,13 @@ def test_oom_inside_the_reduce_scattering_backward_is_a_clear_error_not_a_hang(t
         pytest.param(0, [OOMFault(step=1, micro_batch=1, phase="forward", rank=0, when_size_above=2)], id="whole-step"),
     ],
 )
-def test_micro_batches_without_items_on_one_rank_are_exact(tmp_path, first, faults):
+def test_micro_batches_without_items_on_one_rank_are_exact(shared_runs, request, first, faults):
     # Rank 0's micro-batches from sample `first` on hold no loss-bearing token at step 1. Its last backward still
     # joins the reduce-scatter, with exactly zero gradient; the earlier empty ones run no backward.
     steps, empty = 3, (1, first)
-    ranks = run_split(tmp_path, steps, faults, empty)
+    case = request.node.callspec.id
+    assert SHARED[case] == (steps, faults, empty)
+    ranks = shared_split(shared_runs, case)
     assert [r["oom_retries"] for r in ranks] == [len(faults)] * WORLD_SIZE
     check_exact(ranks, steps, empty)
 
