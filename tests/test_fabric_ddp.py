@@ -39,12 +39,17 @@ loaded 2-core machine): those under Fabric's ``DDPStrategy``, and the one under 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], subprocess.CompletedProcess[str]]:
     """The run of the launch that holds a case, made the first time one of its cases asks."""
-    done: dict[int, subprocess.CompletedProcess[str]] = {}
+    done: dict[int, subprocess.CompletedProcess[str] | pytest.fail.Exception] = {}
 
     def run_of(case: str) -> subprocess.CompletedProcess[str]:
         (i,) = [i for i, cases in enumerate(LAUNCHES) if case in cases]
         if i not in done:
-            done[i] = run_ranks(LAUNCHES[i], tmp_path_factory.mktemp(f"fabric-ddp-{i}"))
+            try:
+                done[i] = run_ranks(LAUNCHES[i], tmp_path_factory.mktemp(f"fabric-ddp-{i}"))
+            except pytest.fail.Exception as ran_past:  # the launch hung: every case of it fails, none runs it again
+                done[i] = ran_past
+        if isinstance(done[i], pytest.fail.Exception):
+            pytest.fail(str(done[i]), pytrace=False)
         return done[i]
 
     return run_of
