@@ -71,7 +71,6 @@ def _main(cases: list[str]) -> None:
     """Launch the ranks once (one strategy for every case: FSDP2 for ``split-fsdp2``, DDP otherwise), then run the
     cases one after the other in them."""
     from lightning.fabric import Fabric
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import tests.helpers as h
 
@@ -97,6 +96,8 @@ def _main(cases: list[str]) -> None:
 
 
 def _run_case(fabric, case: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     from lightning_accum import FabricAccumulation, FabricMicroBatching
     from lightning_accum.memory.oom import OOMFault, OOMInjector
     from lightning_accum.schedules import AdaptiveBatchSize
