@@ -251,7 +251,7 @@ def trainer_sync_kind(strategy: Any, world_size: int) -> SyncKind:
     """How split mode syncs under a ``Trainer``'s ``strategy`` (Fabric's: `lightning_accum._compat.fabric_host`).
 
     Raises:
-        RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed, tensor parallelism).
+        RuntimeError: a strategy split mode does not support (FSDP1, DeepSpeed).
     """
     if isinstance(strategy, FSDPStrategy):
         raise RuntimeError(
@@ -260,14 +260,7 @@ def trainer_sync_kind(strategy: Any, world_size: int) -> SyncKind:
             " which split mode supports, or keep `FSDPStrategy` with `AccumulationScheduler` (window mode)."
         )
     if isinstance(strategy, ModelParallelStrategy):
-        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
-        if tensor_parallel > 1:
-            raise RuntimeError(
-                f"`AutoMicroBatching` supports `ModelParallelStrategy` for data parallelism only (FSDP2), got"
-                f" `tensor_parallel_size={tensor_parallel}`. Set `tensor_parallel_size=1`, or use"
-                " `AccumulationScheduler` (window mode)."
-            )
-        return "fsdp2"
+        return "fsdp2"  # data parallelism only: `sync_policy` checks the mesh once the processes are up
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise RuntimeError(
             f"`AutoMicroBatching` supports single-device, DDP and `ModelParallelStrategy` (FSDP2) strategies, got"
@@ -298,9 +291,18 @@ def sync_policy(kind: SyncKind, strategy: Any, world_size: int, gradient_sync: G
     """The policy for a split-mode run of ``kind`` on ``strategy`` (a Trainer's, or Fabric's view of its own).
 
     Raises:
-        RuntimeError: ``ModelParallelStrategy`` on several ranks without any ``fully_shard``-ed module.
+        RuntimeError: ``ModelParallelStrategy`` with tensor parallelism, or on several ranks without any
+            ``fully_shard``-ed module.
     """
     if kind == "fsdp2":
+        mesh = getattr(strategy, "device_mesh", None)  # a Trainer's; Fabric's `sync_kind` checked its own
+        tensor_parallel = mesh["tensor_parallel"].size() if mesh is not None else 1
+        if tensor_parallel > 1:
+            raise RuntimeError(
+                f"Split mode supports `ModelParallelStrategy` for data parallelism only (FSDP2), got"
+                f" `tensor_parallel_size={tensor_parallel}`. Set `tensor_parallel_size=1`, or use"
+                " `AccumulationScheduler` (window mode)."
+            )
         if world_size > 1 and not _compat.fsdp2_modules(strategy.model):
             raise RuntimeError(
                 "Split mode under `ModelParallelStrategy` needs FSDP2: call `torch.distributed.fsdp.fully_shard` on"
