@@ -2,7 +2,7 @@
 
 Install the extras (``transformers``, W&B, and jsonargparse for LightningCLI), then run from the repository root::
 
-    pip install -e ".[hf,wandb,cli]"
+    pip install -e ".[hf,cli,report,wandb]"
     OMP_NUM_THREADS=1 python -m examples.hf_finetune.main fit --config examples/hf_finetune/configs/ddp_cpu.yaml
     OMP_NUM_THREADS=1 python examples/hf_finetune/main.py fit --config examples/hf_finetune/configs/ddp_cpu.yaml
 
