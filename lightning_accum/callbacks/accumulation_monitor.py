@@ -23,7 +23,6 @@ from lightning_accum.callbacks._owner import AccumulationOwner, find_owner, rank
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
-from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitor.metrics import (
     NOISE_SCALE_NEEDS_AN_OWNER,
     AccumulationMetrics,
@@ -34,7 +33,7 @@ from lightning_accum.monitor.metrics import (
     run_config,
 )
 from lightning_accum.monitor.rows import every_step_keys
-from lightning_accum.monitor.totals import LightningWindows, RankMemory
+from lightning_accum.monitor.totals import LightningWindows
 
 
 class AccumulationMonitor(Callback):
@@ -292,8 +291,7 @@ class AccumulationMonitor(Callback):
         self._metrics.new_interval()
 
     def _ranks(self, trainer: pl.Trainer) -> Ranks:
-        if self._metrics.memory is None:  # a Trainer that skipped `setup`; read the capacity once all the same
-            self._metrics.memory = RankMemory(backend_for(trainer.strategy.root_device))
+        self._metrics.ensure_memory(trainer.strategy.root_device)
         return ranks_of(trainer)
 
     @override

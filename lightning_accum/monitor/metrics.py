@@ -360,6 +360,11 @@ class AccumulationMetrics:
         self.memory = RankMemory(backend_for(device))
         self.loss = self.loss.to(device)
 
+    def ensure_memory(self, device: torch.device) -> None:
+        """Read memory on ``device`` where `setup` never ran (a Trainer that skipped it): its capacity, once."""
+        if self.memory is None:
+            self.memory = RankMemory(backend_for(device))
+
     def start(
         self,
         every_step: tuple[str, ...],
