@@ -55,7 +55,7 @@ def build_with_cli(
             "`--cli my_pkg.main:MyCLI`."
         )
 
-    class ProbeCLI(cli_class):  # type: ignore[misc,valid-type]
+    class ProbeCLI(cli_class):  # type: ignore[misc,valid-type]  # a class known only at run time
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             raise _Built(self)
 
