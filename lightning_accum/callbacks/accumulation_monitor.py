@@ -107,7 +107,9 @@ class AccumulationMonitor(Callback):
             resumed run measures the windows an uninterrupted one does. Each measurement then
             weighs as much as the ``n`` windows it stands for, so the average covers the same span of training; the
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
-        progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
+        progress_bar: show the micro-batch size (``mb``), ``k``, the window loss (``window_loss``: the loss optimized,
+            all ranks, where a module's own logged loss is one micro-batch's on rank 0) and the peak memory as a
+            fraction of the budget
             (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
             Lightning's progress bar; split by tokens, also the token budget (``mb_tokens``) and the padding (``pad``).
         summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
@@ -279,8 +281,8 @@ class AccumulationMonitor(Callback):
         gather = (lambda t: strategy.all_gather(t.to(strategy.root_device))) if self.per_rank_memory else None
         allocator = strategy.root_device.type != "cpu"
         metrics = self._metrics.logging_step(self._ranks(trainer), gather, allocator=allocator)
-        if self.progress_bar and self._metrics.memory_bar:
-            _compat.set_progress_bar_metrics(trainer, self._metrics.memory_bar)
+        if self.progress_bar:
+            _compat.set_progress_bar_metrics(trainer, {**self._metrics.loss_bar, **self._metrics.memory_bar})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

@@ -31,7 +31,7 @@ from lightning_accum.monitor.rows import (
 )
 from lightning_accum.monitor.summary import FitSummary
 from lightning_accum.monitor.totals import IntervalTotals, LightningWindows, MemoryReading, RankMemory, TrainingClock
-from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, window_loss
+from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, progress_bar_loss, window_loss
 
 NOISE_SCALE_NEEDS_AN_OWNER = (
     "`AccumulationMonitor(gradient_noise_scale=True)` measures the noise scale from the exact window"
@@ -351,6 +351,7 @@ class AccumulationMetrics:
         self.fit = FitSummary()
         self.every_step = EveryStepMetrics(key_prefix=key_prefix)
         self.memory_bar: dict[str, str] = {}  # the progress bar's memory figure, from the last logging step
+        self.loss_bar: dict[str, str] = {}  # and its window loss
         self.run_seconds = 0.0  # the run's training time when the last fit ended, or in the checkpoint loaded
         self._last_report: StepReport | None = None
         self._running = False
@@ -459,6 +460,7 @@ class AccumulationMetrics:
         metrics.update(self.memory.rank_metrics(ranks.max, gather, allocator=allocator))
         fraction = self.fit.add_peak_bytes(memory.peak_bytes, budget, memory.capacity_bytes)
         self.memory_bar = {} if fraction is None else progress_bar_memory(fraction, has_budget=budget is not None)
+        self.loss_bar = progress_bar_loss(loss)
         return {self.key_prefix + key: value for key, value in metrics.items()}
 
     def new_interval(self) -> None:
