@@ -66,3 +66,13 @@ def test_the_hf_install_line_carries_what_the_memory_page_uses(page: str) -> Non
     # docs/memory.md probes a LightningCLI config (jsonargparse: `cli`) and writes probe.png (matplotlib: `report`).
     extras = {e for args in _installs(page) if (m := _OURS.match(args)) and m["extras"] for e in m["extras"].split(",")}
     assert {"hf", "cli", "report"} <= extras, f"{page}: extras {sorted(extras)}"
+
+
+def test_the_hf_pages_result_is_the_loss_optimized_and_says_which_is_which() -> None:
+    # Under DDP rank 0's micro-batch loss (`train/loss`) and the window loss over both ranks differ: 1.16 vs 1.22.
+    text = " ".join((ROOT / "docs/huggingface.md").read_text().split())
+    result = re.search(
+        r"In 40 steps the loss optimized, `accum/window_loss` [^.]*, falls from (\d+\.\d+) to (\d+\.\d+)", text
+    )
+    assert result is not None and result.groups() == ("5.57", "1.22")
+    assert "`train/loss` in `metrics.csv` is one micro-batch's, on rank 0" in text

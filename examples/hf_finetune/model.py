@@ -90,7 +90,9 @@ class HFCausalLM(pl.LightningModule):
         # Called once per micro-batch under AutoMicroBatching, which weights each micro-batch's mean by its
         # `count_items` so that the step is the mean over every scored token of the step batch, on all ranks.
         loss: Tensor = self(batch["input_ids"], batch["attention_mask"], batch["labels"]).loss
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        # This micro-batch's loss, on this rank (rank 0's in the logs). The loss optimized, over every micro-batch of
+        # both ranks' step batches, is AccumulationMonitor's `accum/window_loss`: the progress bar shows that one.
+        self.log("train/loss", loss, on_step=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
