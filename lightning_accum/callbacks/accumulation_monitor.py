@@ -6,6 +6,8 @@ built in `lightning_accum.monitor.metrics`, both Trainer-free; this callback rea
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -112,10 +114,11 @@ class AccumulationMonitor(Callback):
             fraction of the budget
             (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
             Lightning's progress bar; split by tokens, also the token budget (``mb_tokens``) and the padding (``pad``).
-        summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
-            settled, or by tokens the token budget's and the mean padding, OOMs recovered and their steps, the peak
-            against the budget, throughput) and log its figures to every logger's hyperparameters under
-            ``lightning_accum_summary``.
+        summary: where the output is not a terminal (a file: no progress bar to watch), print a status line (step,
+            throughput, peak memory) at a logging step once a minute at most; at the end of ``fit``, print one line
+            (steps, effective batch, the micro-batch range and where it settled, or by tokens the token budget's and
+            the mean padding, OOMs recovered and their steps, the peak against the budget, throughput) and log its
+            figures to every logger's hyperparameters under ``lightning_accum_summary``.
         key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
         per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
 
@@ -158,6 +161,7 @@ class AccumulationMonitor(Callback):
         self._owner: AccumulationOwner | None = None
         self._hooks = resolve_batch_hooks(None)
         self._windows = LightningWindows()  # the reports of plain Lightning accumulation, when no owner publishes
+        self._status_lines = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -179,6 +183,7 @@ class AccumulationMonitor(Callback):
         wanted = every_step_keys(has_owner=has_owner, world_size=trainer.world_size, noise_scale=noise, tokens=tokens)
         self._warn_late_readers(trainer, wanted)
         self._windows = LightningWindows(trainer.global_step)
+        self._status_lines = self.summary and not sys.stderr.isatty()
         # Here, not at fit start: the owner resolves its memory budget (part of its settings) in its on_train_start,
         # which runs before ours because the owner moves itself to the front of the callbacks.
         ranks = owner is not None and owner.splits_steps and trainer.world_size > 1  # the ranks' balance is logged
@@ -286,6 +291,10 @@ class AccumulationMonitor(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+            # Output to a file (nohup, a batch job): no progress bar to watch, so a line now and then.
+            line = self._metrics.status_line(step, time.monotonic()) if self._status_lines else None
+            if line is not None:
+                rank_zero_info(line)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
         # EarlyStopping; the loggers were served above, at this step. The event keys of events not in this interval
         # go: left there, `events/oom_recovered: 1.0` (the size after an OOM long ago) would read as "one OOM".
