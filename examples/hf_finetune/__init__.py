@@ -4,7 +4,7 @@ The model is a ``transformers`` causal LM built from a ``GPT2Config`` (or loaded
 ``--model.checkpoint``); the data are synthetic instruction/response pairs of token ids, so no tokenizer and no
 download is needed. Install the extras first::
 
-    pip install -e ".[hf,wandb,cli]"
+    pip install -e ".[hf,cli,report,wandb]"
 
 and run from the repository root (2 CPU ranks, about a minute)::
 

@@ -2,7 +2,7 @@
 
 Install the extras (``transformers``, W&B, and jsonargparse for LightningCLI), then run from the repository root::
 
-    pip install -e ".[hf,wandb,cli]"
+    pip install -e ".[hf,cli,report,wandb]"
     OMP_NUM_THREADS=1 python -m examples.hf_finetune.main fit --config examples/hf_finetune/configs/ddp_cpu.yaml
     OMP_NUM_THREADS=1 python examples/hf_finetune/main.py fit --config examples/hf_finetune/configs/ddp_cpu.yaml
 
@@ -25,6 +25,9 @@ if __package__ in (None, ""):
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from examples.hf_finetune.data import InstructionDataModule
@@ -32,7 +35,19 @@ from examples.hf_finetune.model import HFCausalLM
 
 
 class FinetuneCLI(LightningCLI):
-    """LightningCLI for :class:`HFCausalLM` on :class:`InstructionDataModule`; the model's sizes follow the data's."""
+    """LightningCLI for :class:`HFCausalLM` on :class:`InstructionDataModule`; the model's sizes follow the data's.
+
+    The probe builds what this CLI builds, links included:
+    ``lightning-accum probe --cli examples.hf_finetune.main:FinetuneCLI --config examples/hf_finetune/configs/...``.
+    """
+
+    def __init__(
+        self,
+        model_class: type[LightningModule] = HFCausalLM,
+        datamodule_class: type[LightningDataModule] = InstructionDataModule,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model_class, datamodule_class, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # One setting for both: the vocabulary holds every id the data draws, the positions cover its longest sequence.
@@ -42,7 +57,7 @@ class FinetuneCLI(LightningCLI):
 
 def main(args: ArgsType = None, run: bool = True) -> FinetuneCLI:
     """Build the CLI from ``args`` (``None``: ``sys.argv``), run its subcommand when ``run``, and return it."""
-    return FinetuneCLI(HFCausalLM, InstructionDataModule, args=args, run=run, seed_everything_default=0)
+    return FinetuneCLI(args=args, run=run, seed_everything_default=0)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ built in `lightning_accum.monitor.metrics`, both Trainer-free; this callback rea
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,7 +25,6 @@ from lightning_accum.callbacks._owner import AccumulationOwner, find_owner
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 from lightning_accum.integrations.wandb import define_metrics, record_config, record_event_counts
-from lightning_accum.memory.backends import backend_for
 from lightning_accum.monitor.metrics import (
     NOISE_SCALE_NEEDS_AN_OWNER,
     AccumulationMetrics,
@@ -34,7 +35,7 @@ from lightning_accum.monitor.metrics import (
     run_config,
 )
 from lightning_accum.monitor.rows import every_step_keys
-from lightning_accum.monitor.totals import LightningWindows, RankMemory
+from lightning_accum.monitor.totals import LightningWindows
 
 
 class AccumulationMonitor(Callback):
@@ -108,13 +109,16 @@ class AccumulationMonitor(Callback):
             resumed run measures the windows an uninterrupted one does. Each measurement then
             weighs as much as the ``n`` windows it stands for, so the average covers the same span of training; the
             estimate stays unbiased, and its cost (two gradient norms per measured window) falls ``n``-fold.
-        progress_bar: show the micro-batch size (``mb``), ``k`` and the peak memory as a fraction of the budget
+        progress_bar: show the micro-batch size (``mb``), ``k``, the window loss (``window_loss``: the loss optimized,
+            all ranks, where a module's own logged loss is one micro-batch's on rank 0) and the peak memory as a
+            fraction of the budget
             (``mem/budget``; ``mem/capacity``, of the capacity, without a budget; updated at logging steps) in
             Lightning's progress bar; split by tokens, also the token budget (``mb_tokens``) and the padding (``pad``).
-        summary: at the end of ``fit``, print one line (steps, effective batch, the micro-batch range and where it
-            settled, or by tokens the token budget's and the mean padding, OOMs recovered and their steps, the peak
-            against the budget, throughput) and log its figures to every logger's hyperparameters under
-            ``lightning_accum_summary``.
+        summary: where the output is not a terminal (a file: no progress bar to watch), print a status line (step,
+            throughput, peak memory) at a logging step once a minute at most; at the end of ``fit``, print one line
+            (steps, effective batch, the micro-batch range and where it settled, or by tokens the token budget's and
+            the mean padding, OOMs recovered and their steps, the peak against the budget, throughput) and log its
+            figures to every logger's hyperparameters under ``lightning_accum_summary``.
         key_prefix: put in front of every logged key (the dashboard and the report read unprefixed keys).
         per_rank_memory: also log each rank's own peak, ``memory/rank{r}/peak_gib``.
 
@@ -157,6 +161,7 @@ class AccumulationMonitor(Callback):
         self._owner: AccumulationOwner | None = None
         self._hooks = resolve_batch_hooks(None)
         self._windows = LightningWindows()  # the reports of plain Lightning accumulation, when no owner publishes
+        self._status_lines = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,6 +183,7 @@ class AccumulationMonitor(Callback):
         wanted = every_step_keys(has_owner=has_owner, world_size=trainer.world_size, noise_scale=noise, tokens=tokens)
         self._warn_late_readers(trainer, wanted)
         self._windows = LightningWindows(trainer.global_step)
+        self._status_lines = self.summary and not sys.stderr.isatty()
         # Here, not at fit start: the owner resolves its memory budget (part of its settings) in its on_train_start,
         # which runs before ours because the owner moves itself to the front of the callbacks.
         ranks = owner is not None and owner.splits_steps and trainer.world_size > 1  # the ranks' balance is logged
@@ -280,11 +286,15 @@ class AccumulationMonitor(Callback):
         gather = (lambda t: strategy.all_gather(t.to(strategy.root_device))) if self.per_rank_memory else None
         allocator = strategy.root_device.type != "cpu"
         metrics = self._metrics.logging_step(self._ranks(trainer), gather, allocator=allocator)
-        if self.progress_bar and self._metrics.memory_bar:
-            _compat.set_progress_bar_metrics(trainer, self._metrics.memory_bar)
+        if self.progress_bar:
+            _compat.set_progress_bar_metrics(trainer, {**self._metrics.loss_bar, **self._metrics.memory_bar})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+            # Output to a file (nohup, a batch job): no progress bar to watch, so a line now and then.
+            line = self._metrics.status_line(step, time.monotonic()) if self._status_lines else None
+            if line is not None:
+                rank_zero_info(line)
         # Into `trainer.callback_metrics` (every rank holds the same global figures) for ModelCheckpoint and
         # EarlyStopping; the loggers were served above, at this step. The event keys of events not in this interval
         # go: left there, `events/oom_recovered: 1.0` (the size after an OOM long ago) would read as "one OOM".
@@ -292,8 +302,7 @@ class AccumulationMonitor(Callback):
         self._metrics.new_interval()
 
     def _ranks(self, trainer: pl.Trainer) -> Ranks:
-        if self._metrics.memory is None:  # a Trainer that skipped `setup`; read the capacity once all the same
-            self._metrics.memory = RankMemory(backend_for(trainer.strategy.root_device))
+        self._metrics.ensure_memory(trainer.strategy.root_device)
         return Ranks.of(trainer)
 
     @override

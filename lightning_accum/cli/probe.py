@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from lightning_accum.memory.budget import GIB
 from lightning_accum.memory.fake import TARGETS
 from lightning_accum.memory.precision import PRECISIONS
 from lightning_accum.probe import import_object, load_cli_config, present, probe_memory, write_outputs
+from lightning_accum.probe.lightning_cli import build_with_cli
 from lightning_accum.probe.resolve import check_init_args
 from lightning_accum.probe.tokens import probe_tokens
 from lightning_accum.sequences import PaddedSequences
@@ -43,6 +45,7 @@ _FLAGS = {
     "data": "--data",
     "data_init_args": "--data-init-args",
     "config": "--config",
+    "cli": "--cli",
     "batch_size": "--batch-size",
     "accumulation_steps": "--accumulation-steps",
     "fit_micro_batch_sizes": "--fit-micro-batch-sizes",
@@ -58,6 +61,7 @@ _FLAGS = {
 }
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
 _PACKAGE_DIR = Path(lightning_accum.__file__).resolve().parent
+_TORCH_DIR = Path(torch.__file__).resolve().parent
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -85,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``probe`` subcommand's arguments to its parser (`lightning_accum.cli.main` builds it); return it."""
     source = parser.add_argument_group("model and data (an import path with init args, or a LightningCLI config)")
     source.add_argument("--model", help="LightningModule import path, 'pkg.mod:Class'")
-    source.add_argument("--init-args", type=_json_object, default={}, help="JSON kwargs for --model")
+    source.add_argument(
+        "--init-args", type=_json_object, default={}, help="JSON kwargs for --model; with --config, they override it"
+    )
     source.add_argument(
         "--data", help="LightningDataModule, or a function (micro_batch_size, **kwargs) -> batch, as 'pkg.mod:Name'"
     )
@@ -94,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--config",
         help="a LightningCLI YAML config; its model/data sections give class_path and init_args, or only init_args "
         "for the classes named by --model/--data",
+    )
+    source.add_argument(
+        "--cli",
+        metavar="pkg.mod:MyCLI",
+        help="with --config: your LightningCLI subclass; the probe builds the model and data through it, as `fit "
+        "--config` would, so its link_arguments apply (e.g. data.vocab_size -> model.vocab_size)",
     )
     parser.add_argument(
         "--batch-size", type=int_at_least(1), help="the full batch B per device (default: the datamodule's)"
@@ -197,20 +209,23 @@ def run(args: argparse.Namespace) -> int:
             f"`--device`={args.device!r} ran out of memory during the probe ({first_line}). Lower `--batch-size`, or "
             "probe on a device with more memory."
         ) from err
-    except (ImportError, FileNotFoundError, ValueError, TypeError, RuntimeError) as err:
-        # The probe's own checks of what it was given; an error raised inside the user's model keeps its traceback.
-        if not _raised_by_lightning_accum(err):
+    except (ImportError, FileNotFoundError, ValueError, TypeError, RuntimeError, IndexError) as err:
+        # The probe's own checks of what it was given; an error raised inside the user's model keeps its traceback,
+        # unless torch raised it on the data's batch: then the model and the data disagree (a config, not a bug).
+        if _raised_by_lightning_accum(err) and not isinstance(err, IndexError):
+            raise CommandError(_with_flags(str(err))) from err
+        disagreement = _model_and_data_disagree(err, args)
+        if disagreement is None:
             raise
-        raise CommandError(_with_flags(str(err))) from err
+        raise CommandError(disagreement) from err
     print(json.dumps(present.to_dict(result), indent=2) if args.json else present.table(result))
     if output_dir is not None:
         try:
-            paths = write_outputs(result, output_dir)
-        except ModuleNotFoundError as err:
-            raise CommandError(
-                f"writing probe.png needs {err.name!r}: pip install 'lightning-accum[report]', or leave out "
-                "`--output-dir`."
-            ) from err
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                paths = write_outputs(result, output_dir)
+            for warning in caught:  # a picture left out is a warning, not a failure: the numbers are written
+                print(f"warning: {warning.message}", file=sys.stderr)
         except OSError as err:
             raise CommandError(
                 f"`--output-dir`={args.output_dir!r}: could not write the results: {err}. Choose a directory you can "
@@ -225,16 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace, device: str) -> Any:
-    data_init_args: dict[str, Any] = dict(args.data_init_args)
-    if args.config:
-        # With a config, --model/--data name the classes of sections that carry only init args.
-        module, data_factory = load_cli_config(args.config, args.model, args.data)
-        data: Any = None if data_factory is None else data_factory()
-        module_init_args: dict[str, Any] = {}
-    elif args.model:
-        module, data, module_init_args = args.model, args.data, args.init_args
-    else:
-        raise CommandError("`--model` (an import path 'pkg.mod:Class') or `--config` (a LightningCLI YAML) is needed.")
+    module, data, module_init_args, data_init_args = _sources(args)
     if data is None:
         raise CommandError("`--data` (an import path) or a `data` section in `--config` is needed.")
     if isinstance(data, str):
@@ -262,6 +268,26 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
     if sequences is not None:
         return probe_tokens(module, data, sequences=sequences, sequence_lengths=args.sequence_lengths, **common)
     return probe_memory(module, data, accumulation_steps=args.accumulation_steps or (2, 4), **common)
+
+
+def _sources(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """The model and data the arguments name, and the init args still to apply to each."""
+    if args.cli and not args.config:
+        raise CommandError(f"`--cli`={args.cli!r} needs `--config`: the CLI builds the model and data from it.")
+    if args.cli:
+        module, data = build_with_cli(
+            args.cli, [args.config], args.model, args.data, args.init_args, args.data_init_args
+        )
+        return module, data, {}, {}
+    if args.config:
+        # With a config, --model/--data name the classes of sections that carry only init args.
+        make_module, make_data = load_cli_config(
+            args.config, args.model, args.data, args.init_args, args.data_init_args
+        )
+        return make_module, None if make_data is None else make_data(), {}, {}
+    if args.model:
+        return args.model, args.data, dict(args.init_args), dict(args.data_init_args)
+    raise CommandError("`--model` (an import path 'pkg.mod:Class') or `--config` (a LightningCLI YAML) is needed.")
 
 
 def _sequences(args: argparse.Namespace) -> PaddedSequences | None:
@@ -328,7 +354,35 @@ def _device(text: str) -> str:
 def _raised_by_lightning_accum(err: BaseException) -> bool:
     # Where the exception was raised: in this package (a check on what the user passed), or in the user's code.
     frames = traceback.extract_tb(err.__traceback__)
-    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE_DIR)
+    return bool(frames) and _ours(frames[-1].filename)
+
+
+def _model_and_data_disagree(err: BaseException, args: argparse.Namespace) -> str | None:
+    """One line for an `IndexError` or `RuntimeError` that torch raised while the user's model ran on the batch."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not isinstance(err, (IndexError, RuntimeError)) or not frames or not _in_torch(frames[-1].filename):
+        return None
+    caller = next((f for f in reversed(frames) if not _in_torch(f.filename) and not _ours(f.filename)), frames[-1])
+    first_line = next(iter(str(err).splitlines()), "")
+    fix = (
+        "check that the CLI's links and the config agree"
+        if args.cli
+        else "if your LightningCLI links them (link_arguments, e.g. data.vocab_size -> model.vocab_size), pass it "
+        "with `--cli pkg.mod:YourCLI`; or set both to agree in `--config`/`--init-args`"
+    )
+    return (
+        f"the model and the data disagree: the model failed on the data's first batch with {type(err).__name__}: "
+        f"{first_line} (in {Path(caller.filename).name}:{caller.lineno}, {caller.name}), e.g. an id beyond the "
+        f"model's vocabulary or a shape it does not take. To fix: {fix}."
+    )
+
+
+def _in_torch(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(_TORCH_DIR)
+
+
+def _ours(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
 
 
 def _with_flags(message: str) -> str:

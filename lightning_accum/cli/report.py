@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_accum import keys
 from lightning_accum.cli._common import CommandError, check_output_file
-from lightning_accum.cli.report_summary import Series, finite_values, splits_by_tokens, summarize
+from lightning_accum.cli.report_summary import Series, finite_values, size_text, splits_by_tokens, summarize
 from lightning_accum.integrations.wandb import (
     PANEL_LAYOUT,
     STEP_METRIC,
@@ -366,6 +366,8 @@ def _draw_panel(ax: Any, panel: PanelSpec, context: _Context) -> None:
     ax.grid(True, alpha=0.3)
     extra = user_loss_keys(context.series) if keys.WINDOW_LOSS in panel.keys else []
     values = [v for key in (*panel.keys, *extra) for v in _draw_key(ax, panel, key, context)]
+    if keys.PEAK_GIB in panel.keys and values:  # the budget beside the peak, in the peak's unit
+        values += _budget_gib(ax, context.series, max(values))
     if not values:
         ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     if panel.mark_events:
@@ -417,6 +419,24 @@ def _budget_points(ax: Any, series: Series) -> list[tuple[float, float]]:
         ax.plot([], [], " ", label=f"budget {points[-1][1]:.1%} (far above the peak: off the scale)")
         return []
     return points
+
+
+def _budget_gib(ax: Any, series: Series, peak: float) -> list[float]:
+    # The budget as a size (the fraction logged times the capacity), labelled as `max_memory` takes it: 500 MiB.
+    capacity = dict(series.get(keys.CAPACITY_GIB, []))
+    if not capacity:
+        return []
+    last_capacity = list(capacity.values())[-1]
+    points = [(s, f * capacity.get(s, last_capacity)) for s, f in series.get(BUDGET_FRACTION, []) if f < 1]
+    if not points:
+        return []
+    label = f"budget {size_text(points[-1][1])}"
+    if min(v for _, v in points) > _OFF_SCALE * peak:
+        ax.plot([], [], " ", label=f"{label} (far above the peak: off the scale)")
+        return []
+    steps, values = zip(*points, strict=True)
+    ax.plot(steps, values, linestyle="--", linewidth=1.5, color="tab:red", label=label)
+    return list(values)
 
 
 def _mark_events(ax: Any, events: Mapping[str, list[float]]) -> None:

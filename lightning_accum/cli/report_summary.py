@@ -163,24 +163,39 @@ def _memory_text(series: Series) -> str:
         return ""
     capacity = finite_values(series, keys.CAPACITY_GIB)
     of = f" ({max(fractions):.1%} of {capacity[-1]:.3g} GiB)" if fractions and capacity else ""
-    text = f"Peak memory {max(peaks):.3g} GiB{of}"
+    text = f"Peak memory {size_text(max(peaks))}{of}"
     budgets = memory_budgets(series)
     if not budgets:
         return text + ", with no memory budget set."
     budget_at = dict(series.get(BUDGET_FRACTION, []))
     over = sum(1 for s, f in series.get(keys.PEAK_FRACTION, []) if f > budget_at.get(s, math.inf))
     where = f", over it at {over} logged {_plural('step', over)}" if over else ", within it"
-    return f"{text} against a budget of {budgets[-1]:.1%}{where}."
+    # In a size, as `max_memory` takes one, where the capacity says what the logged fraction is of.
+    budget = f"{budgets[-1]:.1%} of the capacity"
+    if capacity:
+        budget = f"{size_text(budgets[-1] * capacity[-1])} ({budget})"
+    return f"{text} against a budget of {budget}{where}."
+
+
+def size_text(gib: float) -> str:
+    """A size in GiB as a person reads it: in MiB below 1 GiB.
+
+    Examples:
+        >>> size_text(0.4883), size_text(23.54)
+        ('500 MiB', '23.5 GiB')
+    """
+    return f"{gib * 1024:.3g} MiB" if gib < 1 else f"{gib:.3g} GiB"
 
 
 def _speed_text(series: Series) -> str:
     samples, items = finite_values(series, keys.SAMPLES_PER_SEC), finite_values(series, keys.ITEMS_PER_SEC)
     if not samples:
         return ""
-    text = f"Throughput {_median(samples):,.0f} samples/s (median)"
+    text = f"Throughput {_median(samples):,.0f} samples/s (median of the logged intervals"
     if items and items != samples:
-        text += f", {_median(items):,.0f} items/s"
-    return text + "."
+        text += f"; {_median(items):,.0f} items/s"
+    # The end-of-fit line's figure is another one: every sample over the whole training time, first steps included.
+    return text + "; the end-of-fit summary's samples/s is the whole fit's average, start-up included)."
 
 
 def _median(values: list[float]) -> float:

@@ -29,9 +29,10 @@ from lightning_accum.monitor.rows import (
     step_metrics,
     token_metrics,
 )
+from lightning_accum.monitor.status import StatusLine
 from lightning_accum.monitor.summary import FitSummary
 from lightning_accum.monitor.totals import IntervalTotals, LightningWindows, MemoryReading, RankMemory, TrainingClock
-from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, window_loss
+from lightning_accum.monitor.window_loss import WeightedMean, mean_loss, progress_bar_loss, window_loss
 
 NOISE_SCALE_NEEDS_AN_OWNER = (
     "`AccumulationMonitor(gradient_noise_scale=True)` measures the noise scale from the exact window"
@@ -351,6 +352,9 @@ class AccumulationMetrics:
         self.fit = FitSummary()
         self.every_step = EveryStepMetrics(key_prefix=key_prefix)
         self.memory_bar: dict[str, str] = {}  # the progress bar's memory figure, from the last logging step
+        self.loss_bar: dict[str, str] = {}  # and its window loss
+        self.status = StatusLine()  # a line now and then where the output is a file
+        self._logged: dict[str, float] = {}  # the last logging step's metrics, unprefixed
         self.run_seconds = 0.0  # the run's training time when the last fit ended, or in the checkpoint loaded
         self._last_report: StepReport | None = None
         self._running = False
@@ -359,6 +363,11 @@ class AccumulationMetrics:
         """Read memory (and keep the loss) on ``device``; its capacity is read once, here."""
         self.memory = RankMemory(backend_for(device))
         self.loss = self.loss.to(device)
+
+    def ensure_memory(self, device: torch.device) -> None:
+        """Read memory on ``device`` where `setup` never ran (a Trainer that skipped it): its capacity, once."""
+        if self.memory is None:
+            self.memory = RankMemory(backend_for(device))
 
     def start(
         self,
@@ -454,7 +463,13 @@ class AccumulationMetrics:
         metrics.update(self.memory.rank_metrics(ranks.max, gather, allocator=allocator))
         fraction = self.fit.add_peak_bytes(memory.peak_bytes, budget, memory.capacity_bytes)
         self.memory_bar = {} if fraction is None else progress_bar_memory(fraction, has_budget=budget is not None)
+        self.loss_bar = progress_bar_loss(loss)
+        self._logged = metrics
         return {self.key_prefix + key: value for key, value in metrics.items()}
+
+    def status_line(self, step: int, now: float) -> str | None:
+        """One line on the last logging step (step, throughput, memory) where `STATUS_EVERY_S` have passed."""
+        return self.status.line(step, self._logged, now=now)
 
     def new_interval(self) -> None:
         """Start the next logging interval (after the loggers had the last one's metrics)."""

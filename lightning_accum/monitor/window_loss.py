@@ -81,3 +81,17 @@ def window_loss(mean: WeightedMean, loss: LossSum) -> float:
     value = float(mean.compute())
     mean.reset()
     return value
+
+
+def progress_bar_loss(window_loss: float) -> dict[str, str]:
+    """The window loss for the progress bar: the loss optimized, over every rank's items (none when unknown).
+
+    Next to a module's own ``self.log("loss", ..., prog_bar=True)``, which is one micro-batch's on rank 0.
+
+    Examples:
+        >>> progress_bar_loss(1.22294)
+        {'window_loss': '1.223'}
+        >>> progress_bar_loss(float("nan"))
+        {}
+    """
+    return {} if math.isnan(window_loss) else {"window_loss": f"{window_loss:.4g}"}

@@ -8,6 +8,7 @@ types hold what was measured and import no presentation.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,11 +63,27 @@ def plot(result: Result, path: str | Path) -> Path:
 
 
 def write_outputs(result: Result, output_dir: str | Path, stem: str = "probe") -> dict[str, Path]:
-    """Write ``<stem>.txt`` (the table), ``<stem>.json`` and ``<stem>.png`` into ``output_dir``; return the paths."""
+    """Write ``<stem>.txt`` (the table), ``<stem>.json`` and ``<stem>.png`` into ``output_dir``; return the paths.
+
+    Without matplotlib the picture is left out with a `UserWarning` that names the package to install: the text and
+    the JSON hold every number, so the paths returned are theirs alone.
+    """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"txt": out / f"{stem}.txt", "json": out / f"{stem}.json", "png": out / f"{stem}.png"}
     paths["txt"].write_text(table(result) + "\n")
     paths["json"].write_text(json.dumps(to_dict(result), indent=2) + "\n")
-    plot(result, paths["png"])
+    try:
+        plot(result, paths["png"])
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        warnings.warn(
+            f"{paths['png'].name} was not written: drawing it needs matplotlib, which is not installed (pip install "
+            f"'lightning-accum[report]', or pip install matplotlib). {paths['txt'].name} and {paths['json'].name} "
+            "hold every number.",
+            UserWarning,
+            stacklevel=2,
+        )
+        del paths["png"]
     return paths

@@ -148,7 +148,11 @@ def _datamodule_batches(datamodule: Any, batch_size: int) -> Callable[[int, int]
 
 
 def load_cli_config(
-    path: str | Path, model_class: str | None = None, data_class: str | None = None
+    path: str | Path,
+    model_class: str | None = None,
+    data_class: str | None = None,
+    model_init_args: Mapping[str, Any] | None = None,
+    data_init_args: Mapping[str, Any] | None = None,
 ) -> tuple[Callable[[], nn.Module], Callable[[], Any] | None]:
     """Read a LightningCLI YAML config and return factories for its ``model`` and ``data`` sections.
 
@@ -156,7 +160,8 @@ def load_cli_config(
     (``LightningCLI(MyModel, MyData)``), the init args themselves; then ``model_class``/``data_class`` name the
     class as an import path. The ``trainer`` section and everything else are ignored. The init args are checked
     against the class's signature here, with jsonargparse as LightningCLI does; each factory call builds a fresh
-    object.
+    object. ``model_init_args``/``data_init_args`` override the sections' init args, key by key. The CLI's
+    ``link_arguments`` are not applied here: `lightning_accum.probe.lightning_cli.build_with_cli` runs the CLI itself.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -167,10 +172,11 @@ def load_cli_config(
     """
     config = _read_yaml(Path(path))
     sections: dict[str, dict[str, Any]] = {}
+    overrides = {"model": model_init_args or {}, "data": data_init_args or {}}
     for name, cls, flag in (("model", model_class, "--model"), ("data", data_class, "--data")):
         section = _section(config, name, cls, flag, path)
         if section is not None:
-            sections[name] = section
+            sections[name] = {**section, "init_args": {**(section.get("init_args") or {}), **overrides[name]}}
     if "model" not in sections:
         raise ValueError(f"`config`={str(path)!r} has no `model` section; the probe needs a model to train.")
     data = sections.get("data")

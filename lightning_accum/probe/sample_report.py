@@ -294,7 +294,9 @@ def pyplot(needed_by: str) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"`{needed_by}` needs matplotlib: pip install 'lightning-accum[report]'.") from err
+        raise ModuleNotFoundError(
+            f"`{needed_by}` needs matplotlib: pip install 'lightning-accum[report]'.", name="matplotlib"
+        ) from err
     return plt
 
 

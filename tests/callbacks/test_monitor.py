@@ -1056,6 +1056,7 @@ def test_split_by_tokens_the_progress_bar_shows_the_token_budget_and_the_padding
         ("k", last["micro_batches"]),
         ("mb_tokens", TOKEN_BUDGET),
         ("pad", pad),
+        ("window_loss", shown["window_loss"]),  # the loss optimized, beside the module's own micro-batch loss
         ("mem/budget", shown["mem/budget"]),
     ]
     if bar == "tqdm":

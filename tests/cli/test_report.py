@@ -14,6 +14,7 @@ from lightning_accum import AccumulationScheduler, AutoMicroBatching, keys
 from lightning_accum.callbacks.accumulation_monitor import AccumulationMonitor
 from lightning_accum.cli.main import main
 from lightning_accum.cli.report import Series, build_figure, load_series, summarize, user_loss_keys, write_report
+from lightning_accum.cli.report_summary import size_text
 from lightning_accum.integrations.wandb import find_run_file, layout_keys, read_offline_run
 from lightning_accum.memory.oom import OOMFault, OOMInjector
 from lightning_accum.monitor.rows import BUDGET_FRACTION
@@ -368,7 +369,7 @@ def test_shrink_and_schedule_marks(split_run):
 
 def test_legends_only_where_lines_need_telling_apart(split_run):
     axes = _axes(build_figure(split_run))
-    assert axes["Peak memory"].get_legend() is None  # one line (no reserved peak on a CPU): the title names it
+    assert axes["Peak memory"].get_legend() is not None  # the peak and the budget, in GiB (no reserved peak on a CPU)
     assert axes["Samples / s"].get_legend() is None
     assert axes["Peak fraction vs budget"].get_legend() is not None  # the peak and the budget
     assert axes["Window loss"].get_legend() is not None  # ours and the user's
@@ -411,9 +412,33 @@ def test_the_summary_of_a_split_run_with_an_oom(split_run, tmp_path):
     assert "Effective batch 32 samples per step throughout" in text
     assert "micro-batch 16 to 32 samples, settled at 16 from step 7" in text
     assert f"1 OOM recovered (at step {OOM_STEP})." in text
-    assert "against a budget of 50.0%, within it." in text and "samples/s (median)" in text
+    capacity = split_run[keys.CAPACITY_GIB][-1][1]
+    assert f"against a budget of {size_text(0.5 * capacity)} (50.0% of the capacity), within it." in text
+    assert "samples/s (median of the logged intervals" in text and "the whole fit's average" in text
     output = write_report(split_run, tmp_path / "r.png")
     assert output.with_suffix(".txt").read_text() == text + "\n"
+
+
+def test_the_budget_reads_in_a_size_on_the_panel_of_the_peak(split_run):
+    # A CPU run under max_memory="500MiB": 2.1% of 23.5 GiB. As a fraction, the peak and the budget both read 0.02.
+    capacity = 23.54
+    budget = 500 / 1024
+    peaks = [(float(s), budget * (1.05 if s == 4 else 0.9)) for s in range(10)]
+    run = {
+        **split_run,
+        keys.CAPACITY_GIB: [(s, capacity) for s, _ in peaks],
+        BUDGET_FRACTION: [(s, budget / capacity) for s, _ in peaks],
+        keys.PEAK_GIB: peaks,
+        keys.PEAK_FRACTION: [(s, v / capacity) for s, v in peaks],
+    }
+    text = summarize(run)
+    assert (
+        "Peak memory 525 MiB (2.2% of 23.5 GiB) against a budget of 500 MiB (2.1% of the capacity), over it at 1"
+        in text
+    )
+    lines = {line.get_label(): line for line in _axes(build_figure(run))["Peak memory"].get_lines()}
+    assert list(lines["budget 500 MiB"].get_ydata()) == pytest.approx([budget] * 10)
+    assert size_text(0.4883) == "500 MiB" and size_text(23.54) == "23.5 GiB"
 
 
 def test_the_summary_of_a_window_run(window_run):

@@ -97,6 +97,37 @@ def test_checkpoint_loads_a_saved_model_and_refuses_what_is_not_one(tmp_path: Pa
         HFCausalLM(vocab_size=256, n_positions=32, checkpoint=str(tmp_path / "saved"))
 
 
+LLAMA = CONFIG.parent / "llama.yaml"
+ONE_PROCESS = ["--trainer.devices=1", "--trainer.strategy=auto", "--trainer.logger=false"]
+
+
+def test_a_llama_is_a_yaml_change(tmp_path: Path) -> None:
+    # The shipped overlay after the shipped config: a tiny Llama from its LlamaConfig, sized by the data's links.
+    cli = main(["--config", str(CONFIG), "--config", str(LLAMA), "--data.vocab_size=300", *ONE_PROCESS], run=False)
+    model = cli.model.model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.config.vocab_size, model.config.max_position_embeddings) == (300, cli.datamodule.max_length)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 2)
+    # It trains on the example's batches as the GPT-2 does: its own shifted token mean, a finite gradient.
+    cli.datamodule.setup("fit")
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    loss = cli.model.training_step(batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in cli.model.parameters())
+    # The same YAML without the overlay is the GPT-2 it always was.
+    gpt2 = main(["--config", str(CONFIG), *ONE_PROCESS], run=False).model.model.config
+    assert (gpt2.model_type, gpt2.n_layer, gpt2.n_embd, gpt2.resid_pdrop) == ("gpt2", 2, 64, 0.0)
+
+
+def test_gpt2_sizes_beside_a_config_are_refused() -> None:
+    from transformers import LlamaConfig
+
+    with pytest.raises(
+        ValueError, match=r"\{'n_layer': 2\} set the sizes of the GPT-2 .* a LlamaConfig.* drop n_layer"
+    ):
+        HFCausalLM(n_layer=2, config=LlamaConfig(hidden_size=16, num_attention_heads=2, intermediate_size=32))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one step of the example, in-process, against one full-batch pass of the same model
 # ---------------------------------------------------------------------------------------------------------------

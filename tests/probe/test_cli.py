@@ -346,3 +346,17 @@ def test_a_real_process_answers_in_tokens_on_the_meta_device(tmp_path):
     assert fit["tokens_only_holdout_relative_error"] > fit["holdout_relative_error"]
     tokens = data["fitting_micro_batch_tokens"]
     assert 32 <= tokens <= 4 * 32 and data["snippet"].count(f"micro_batch_tokens={tokens}") == 1
+
+
+def test_a_missing_matplotlib_leaves_the_picture_out_with_a_warning(capsys, tmp_path, monkeypatch, measuring):
+    # `import matplotlib` fails as it does where the `report` extra is not installed.
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)
+    out = tmp_path / "out"
+    outcome = run_cli(capsys, *PROBE, *SMALL, "--device", "meta", "--output-dir", str(out))
+    assert outcome.code == 0, outcome
+    (line,) = outcome.err.splitlines()
+    assert line.startswith("warning: probe.png was not written") and "matplotlib" in line, line
+    assert "pip install 'lightning-accum[report]'" in line
+    assert sorted(p.name for p in out.iterdir()) == ["probe.json", "probe.txt"]
+    assert "wrote" in outcome.out and "probe.png" not in outcome.out
