@@ -37,7 +37,7 @@ def mask_lengths(mask: Any, where: str | int | None, sequence_dim: int) -> Tenso
         row = int(left_padded.nonzero()[0, 0])
         raise ValueError(
             f"`PaddedSequences(mask={where!r})`: sample {row} of the step batch is left-padded (its mask starts with 0"
-            f" and has a 1 later: {present[row].int().tolist()[:16]}...). Split mode trims padding on the right;"
+            f" and has a 1 later: {_around_first_one(present[row])}). Split mode trims padding on the right;"
             " trimming it on the left would move every real token to another position. Pad on the right (Hugging"
             " Face: `tokenizer.padding_side = 'right'`)."
         )
@@ -91,3 +91,16 @@ def mask_error(where: str | int | None, what: str) -> str:
         f"`PaddedSequences(mask={where!r})` found {what} at batch[{where!r}]. It reads {MASK_FORMS}. Point `mask` at"
         " such a mask, or pass `lengths=` (a function that returns each sample's length)."
     )
+
+
+def _around_first_one(row: Tensor, shown: int = 16) -> str:
+    """A left-padded mask row where it turns to 1: the positions around its first 1, with where they start.
+
+    Examples:
+        >>> _around_first_one(torch.tensor([False] * 40 + [True] * 4))
+        'positions 32-43: [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]'
+    """
+    first = int(row.int().argmax())
+    start = max(0, first - shown // 2)
+    stop = min(row.numel(), start + shown)
+    return f"positions {start}-{stop - 1}: {row[start:stop].int().tolist()}"
