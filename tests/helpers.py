@@ -44,9 +44,17 @@ and up for the multi-rank tests). ``LIGHTNING_ACCUM_TEST_RANK_TIMEOUT_S`` change
 """
 
 
+START_METHOD = os.environ.get("LIGHTNING_ACCUM_TEST_START_METHOD", "fork")
+"""How a test's Trainer starts its 2 ranks: forked (``ddp_fork``: no rank imports torch and Lightning again, 63 s ->
+4 s for tests/test_uneven_ranks.py here), unless ``LIGHTNING_ACCUM_TEST_START_METHOD`` says ``spawn``. The tests
+that users' ``ddp_spawn`` needs (callbacks pickled into fresh processes) ask for ``start_method="spawn"`` themselves."""
+
+
 def ddp_strategy(**kwargs: Any) -> DDPStrategy:
-    """``DDPStrategy`` for a test: 2-process ``ddp_spawn`` on gloo under `RANK_TIMEOUT`; ``kwargs`` override."""
-    return DDPStrategy(**{"start_method": "spawn", "process_group_backend": "gloo", "timeout": RANK_TIMEOUT, **kwargs})
+    """``DDPStrategy`` for a test: 2 ranks (`START_METHOD`) on gloo under `RANK_TIMEOUT`; ``kwargs`` override."""
+    return DDPStrategy(
+        **{"start_method": START_METHOD, "process_group_backend": "gloo", "timeout": RANK_TIMEOUT, **kwargs}
+    )
 
 
 def fsdp2_strategy(world_size: int = 2, **kwargs: Any) -> ModelParallelStrategy:
@@ -68,8 +76,10 @@ def fabric_strategy(parallelize_fn: Callable[..., Any] | None = None) -> Any:
     )
 
 
-def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 2) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them, as ``mp.start_processes``.
+def start_ranks(
+    fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 2, start_method: str = START_METHOD
+) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes (`START_METHOD`) and wait for them all (``mp.start_processes``).
 
     One rank that fails stops the others (torch's join does), and the error of the rank that failed *first* is raised
     here: torch raises the error of whichever failed rank its wait returns first, and a peer that fails because the
@@ -79,7 +89,11 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int
     """
     with tempfile.TemporaryDirectory(prefix="lightning-accum-ranks-") as failed_at:
         context = mp.start_processes(
-            _rank_that_stamps_its_failure, args=(fn, failed_at, args), nprocs=nprocs, start_method="spawn", join=False
+            _rank_that_stamps_its_failure,
+            args=(fn, failed_at, args),
+            nprocs=nprocs,
+            start_method=START_METHOD,
+            join=False,
         )
         try:
             while not context.join():

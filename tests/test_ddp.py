@@ -48,8 +48,10 @@ class CountAllReduces(pl.Callback):
         )
 
 
-def ddp_trainer(tmp_path: Any, callbacks: Sequence[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    strategy = h.ddp_strategy()
+def ddp_trainer(
+    tmp_path: Any, callbacks: Sequence[pl.Callback], start_method: str = h.START_METHOD, **kwargs: Any
+) -> pl.Trainer:
+    strategy = h.ddp_strategy(start_method=start_method)
     return h.make_trainer(tmp_path, callbacks, strategy=strategy, devices=2, **kwargs)
 
 
@@ -57,14 +59,16 @@ def load_ranks(out_dir: Any) -> list[dict[str, Any]]:
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
-def test_window_mode_is_exact_across_ranks_with_one_allreduce_per_step(tmp_path):
+# `ddp_spawn` pickles the callbacks into fresh processes, as users' `strategy="ddp_spawn"` does: one case keeps it.
+@pytest.mark.parametrize("start_method", [h.START_METHOD, "spawn"])
+def test_window_mode_is_exact_across_ranks_with_one_allreduce_per_step(tmp_path, start_method):
     # 30 sequences with random token counts: 15 per rank, micro-batches of 4, so 4 micro-batches per rank per epoch
     # and k=3 gives a full window and a 1-batch tail. Ranks hold different token counts in every window.
     dataset = h.TokenDataset(30)
     model = h.TokenModel(lr=0.05)
     initial = copy.deepcopy(model)
     scheduler = AccumulationScheduler(3, count_items=h.count_tokens)
-    trainer = ddp_trainer(tmp_path, [scheduler, CountAllReduces(str(tmp_path))], max_epochs=2)
+    trainer = ddp_trainer(tmp_path, [scheduler, CountAllReduces(str(tmp_path))], start_method, max_epochs=2)
     trainer.fit(model, DataLoader(dataset, batch_size=4))
 
     ranks = load_ranks(tmp_path)

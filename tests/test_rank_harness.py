@@ -78,7 +78,9 @@ def test_every_strategy_the_helpers_build_has_the_test_timeout():
 
 def test_ranks_in_mismatched_collectives_under_ddp_spawn_fail_in_bounded_time_and_leave_no_process(tmp_path):
     before = set(h.descendants(os.getpid()))
-    trainer = h.make_trainer(tmp_path, strategy=h.ddp_strategy(timeout=SHORT), devices=2, max_steps=2)
+    trainer = h.make_trainer(
+        tmp_path, strategy=h.ddp_strategy(timeout=SHORT, start_method="spawn"), devices=2, max_steps=2
+    )
     with pytest.raises(Exception, match=r"(?i)timed out"):  # gloo: "Timed out waiting 10000ms for recv operation"
         trainer.fit(DisagreeingModel(str(tmp_path)), DataLoader(h.IndexedDataset(8), batch_size=2))
     assert_bounded(waits(tmp_path))
@@ -122,7 +124,8 @@ def _fails_first_and_exits_last(rank: int, out_dir: str) -> None:
 def test_start_ranks_raises_the_error_of_the_rank_that_failed_first_not_of_the_first_to_exit(tmp_path):
     # Before, `start_ranks` raised whichever failed rank torch's wait returned first: here rank 0's consequence.
     with pytest.raises(mp.ProcessRaisedException, match="failed first: the cause") as raised:
-        h.start_ranks(_fails_first_and_exits_last, (str(tmp_path),), 2)
+        # spawned: a forked rank ends without its `atexit` handlers, so none would exit last
+        h.start_ranks(_fails_first_and_exits_last, (str(tmp_path),), 2, start_method="spawn")
     assert raised.value.error_index == 1
     assert "Process 1 failed first (process 0 after it)" in str(raised.value)
 
