@@ -170,7 +170,7 @@ def plain_fit(tmp_path: Path, mode: str, max_epochs: int) -> list[dict[str, Any]
     trainer = h.make_trainer(
         out_dir,
         [accumulation(mode), AccumulationMonitor(), SaveRun(str(out_dir))],
-        strategy=h.ddp_strategy(),
+        strategy=h.ddp_strategy(start_method="spawn"),  # Ray runs threads in this process: no fork
         devices=2,
         max_epochs=max_epochs,
     )

@@ -90,7 +90,7 @@ class SpikeThenOOM(SplitTokenModel):
 
 def test_one_oom_causes_exactly_one_shrink(tmp_path, monkeypatch):
     backend = FakeBackend(capacity=64 * PER_SAMPLE)
-    monkeypatch.setattr("lightning_accum.callbacks.auto_micro_batching.backend_for", lambda device: backend)
+    monkeypatch.setattr("lightning_accum.split.session.backend_for", lambda device: backend)
     callback = AutoMicroBatching(8, max_memory=10 * PER_SAMPLE, count_items=count_tokens)
     peaks: list[tuple[int, int]] = []
     on_step = callback.planner.on_step

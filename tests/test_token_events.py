@@ -37,7 +37,7 @@ class MeteredLM(TinyCausalLM):
 
 def fit(tmp_path, monkeypatch, lengths, *, step_batch, steps, fixed=FIXED, **kwargs):
     backend = FakeBackend(capacity=2**34)
-    monkeypatch.setattr("lightning_accum.callbacks.auto_micro_batching.backend_for", lambda device: backend)
+    monkeypatch.setattr("lightning_accum.split.session.backend_for", lambda device: backend)
     callback = AutoMicroBatching(
         sequences=PaddedSequences(), count_items=CountTokens("labels", shift=1), preflight=False, **kwargs
     )
