@@ -45,17 +45,6 @@ ACCUMULATE_GRAD_BATCHES_CHANGED = (
 )
 
 
-SAMPLE_COUNT_BY_TOKENS = (
-    "`count_items` is None (the default: each micro-batch counts its samples) with `sequences={sequences!r}`."
-    " Split by tokens, micro-batches hold very different numbers of tokens, so a loss that averages over tokens gets"
-    " an update that is not the full batch's. Count the loss-bearing tokens:"
-    ' `count_items=CountTokens("labels", shift=1)` (`from lightning_accum.items import CountTokens`; `shift=1` for a'
-    " model that shifts its labels inside, as Hugging Face causal LMs do, `shift=0` for labels already shifted), in"
-    " a LightningCLI config `count_items: {{class_path: lightning_accum.items.CountTokens, init_args: {{key: labels,"
-    " shift: 1}}}}`. If the loss is a mean over samples, pass `count_items=CountSamples()` to say so."
-)
-
-
 def warn_about_overlap_waits(trainer: pl.Trainer, gradient_sync: GradientSync) -> None:
     """Warn where an OOM in the synced backward could leave the other ranks waiting out a long NCCL timeout."""
     strategy = trainer.strategy
