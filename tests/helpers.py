@@ -92,7 +92,7 @@ def start_ranks(
             _rank_that_stamps_its_failure,
             args=(fn, failed_at, args),
             nprocs=nprocs,
-            start_method=START_METHOD,
+            start_method=start_method,
             join=False,
         )
         try:
