@@ -1,12 +1,14 @@
 """Lightning Fabric: the same exact, memory-aware accumulation in a loop of your own.
 
-Two front ends over the one core (`lightning_accum.core.engine.AccumulationEngine`), as the ``Trainer``'s are:
+Two front ends over the same pieces the ``Trainer``'s use:
 
-- `FabricAccumulation` (window mode): the loop hands in each micro-batch; it weighs each loss by the exact window
-  mean, holds back the gradient sync on all but the window's last micro-batch, and says when to step, following
-  ``k`` from any schedule (`lightning_accum.schedules.AdaptiveBatchSize` included);
-- `FabricMicroBatching` (split mode): the loop hands in a step batch and a loss function; the step runs in
-  micro-batches that fit (`lightning_accum.split.step.SplitStepRunner`, `lightning_accum.split.planner`).
+- `FabricAccumulation` (window mode) drives the hand-run window `ManualAccumulation` drives too
+  (`lightning_accum.core.hand_window.HandWindow`): the loop hands in each micro-batch; each loss is weighed by the
+  exact window mean, the gradient sync is held back on all but the window's last micro-batch, ``k`` follows any
+  schedule (`lightning_accum.schedules.AdaptiveBatchSize` included), and a slip of the loop is refused;
+- `FabricMicroBatching` (split mode) holds split mode's one session (`lightning_accum.split.session.SplitSession`,
+  as `lightning_accum.AutoMicroBatching` does): the loop hands in a step batch and a loss function, and the step runs
+  in micro-batches that fit.
 
 Both log the monitor's keys (`lightning_accum.keys`) through ``fabric.log_dict`` and save with ``fabric.save``.
 """

@@ -1,9 +1,9 @@
 """``AutoMicroBatching``: split each step batch into micro-batches that fit, and never lose a step to an OOM.
 
-The callback is the Lightning glue: it checks the setup, builds a `lightning_accum.split.step.SplitStepRunner` (one
-step's micro-batches, OOM retries and the ranks' agreement) with the strategy's
-`lightning_accum.split.sync.SyncPolicy`, asks `lightning_accum.split.planner.MicroBatchPlanner` for the size, and
-publishes what each step did.
+The callback is the Lightning glue over split mode's one session (`lightning_accum.split.session.SplitSession`, which
+`lightning_accum.fabric.FabricMicroBatching` holds too): it checks what the Trainer sets up, installs the session's step
+runner as Lightning's closure, turns Lightning's batch and optimizer hooks into the session's calls, and publishes
+what each step did.
 """
 
 from __future__ import annotations
