@@ -93,7 +93,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         ValueError: ``lengths`` is not 1-D, a length is negative, ``lengths`` and ``dataset`` differ in count,
             ``batch_size < 1``, ``num_replicas < 1``, or ``rank`` is outside ``num_replicas``.
 
-    Example:
+    Examples:
         >>> lengths = [30, 2, 3, 25, 4, 5, 20, 6]
         >>> [list(BalancedBatchSampler(lengths, 4, num_replicas=2, rank=r)) for r in (0, 1)]
         [[[4, 0], [6]], [[7, 3], [2, 5, 1]]]
