@@ -347,8 +347,8 @@ class FabricMicroBatching(_FabricFrontEnd):
         with _fabric.backward_refused(fabric, _fabric.FABRIC_BACKWARD_IN_LOSS_FN):
             session.begin_step(batch, _LossModule(self.model.module, loss_fn), [self.optimizer.optimizer])
             loss: Tensor = self.runner(context)
-        closed = session.close_window(step, self._parameters(), self.host)
-        figures = session.end_step(step, closed, self.fabric.world_size)
+        closed = session.close_window(step, self._parameters())
+        figures = session.end_step(step, closed)
         assert figures is not None
         self._publish(closed, figures.micro_batch_size, session.window_loss, **figures.report)
         if self._in_batches:

@@ -254,14 +254,14 @@ class AutoMicroBatching(AccumulationOwner):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._closed = self.session.close_window(trainer.global_step, params, trainer)
+        self._closed = self.session.close_window(trainer.global_step, params)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         closed, self._closed = self._closed, None
-        figures = self.session.end_step(trainer.global_step, closed, trainer.world_size)
+        figures = self.session.end_step(trainer.global_step, closed)
         if closed is not None and figures is not None:  # else Lightning skipped the step (`training_step` gave None)
             loss = self.session.window_loss
             self._publish_step("split", figures.micro_batch_size, closed, loss, **figures.report)

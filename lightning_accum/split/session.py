@@ -24,7 +24,6 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_accum._util.distributed import HasRanks
 from lightning_accum._util.log import log, log_info
 from lightning_accum._util.validation import check_bool, check_choice, check_int
 from lightning_accum.core.engine import AccumulationEngine, ClosedWindow, Ranks
@@ -46,7 +45,6 @@ from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
     GradientSync,
     SyncKind,
-    SyncPolicy,
     resolve_gradient_sync,
     sync_policy,
 )
@@ -191,11 +189,6 @@ class SplitSession:
             if self.runner is not None:
                 self.runner.price = self._price
 
-    @property
-    def policy(self) -> SyncPolicy:
-        assert self.runner is not None, "`SplitSession.start` builds the policy"
-        return self.runner.policy
-
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def begin_step(self, batch: Any, module: Any, optimizers: Sequence[Any], precision: Any = "32-true") -> None:
@@ -218,10 +211,10 @@ class SplitSession:
         backend.reset_peak()
         self._retries_at_start = backend.alloc_retries()
 
-    def close_window(self, step: int, parameters: Sequence[Tensor], host: HasRanks) -> ClosedWindow:
+    def close_window(self, step: int, parameters: Sequence[Tensor]) -> ClosedWindow:
         """At the optimizer step: the window's exact gradient over every rank, with the step's summed figures."""
-        runner = self.runner
-        assert runner is not None
+        runner, host = self.runner, self._host
+        assert runner is not None and host is not None
         # The deferred sync summed the buffers over ranks; DDP's own sync averaged them. By tokens, the padded and
         # real tokens are summed over ranks in the same all-reduce as the window's counts.
         averaged_over = 1 if runner.policy.sums_gradients else None
@@ -234,14 +227,14 @@ class SplitSession:
         assert self.runner is not None
         return self.runner.window_loss
 
-    def end_step(self, step: int, closed: ClosedWindow | None, world_size: int) -> StepFigures | None:
+    def end_step(self, step: int, closed: ClosedWindow | None) -> StepFigures | None:
         """After the step, on every rank: the agreed figures, the planner's next size, and the report's figures.
 
         ``closed``: the window `close_window` closed, or ``None`` where the optimizer step was skipped (every rank
         alike): the figures are still agreed and the planner still told, and there is nothing to report.
         """
-        runner, backend = self.runner, self._backend
-        assert runner is not None and backend is not None
+        runner, backend, host = self.runner, self._backend, self._host
+        assert runner is not None and backend is not None and host is not None
         figures = runner.agreed_figures(backend.alloc_retries() - self._retries_at_start)
         planned = self.planner.on_step(figures.size, figures.peak, step, figures.alloc_retries)
         self._shrunk = planned < figures.size
@@ -253,7 +246,7 @@ class SplitSession:
         if closed is None:
             return None
         by_tokens = self.sequences is not None
-        samples, tokens, balance = published_figures(figures, closed.totals.extra, by_tokens, world_size)
+        samples, tokens, balance = published_figures(figures, closed.totals.extra, by_tokens, host.world_size)
         report = {
             "peak_bytes": figures.peak,
             "budget_bytes": self.planner.budget_bytes,
