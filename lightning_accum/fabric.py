@@ -42,7 +42,7 @@ from lightning_accum.core import (
 from lightning_accum.memory.backends import backend_for
 from lightning_accum.memory.oom import OOMInjector
 from lightning_accum.monitor.step_log import StepLog
-from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule, scale_learning_rates
+from lightning_accum.schedules import AccumulationSchedule, ScheduleUnit, as_schedule
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
 from lightning_accum.split.session import SplitSession
@@ -195,7 +195,7 @@ class FabricAccumulation(_FabricFrontEnd):
         window, self.should_step = self.window, False
         plan = window.enter(batch, epoch=self.epoch, step=self.optimizer_steps, ranks=self.ranks)
         if plan is not None and plan.change is not None:
-            scale_learning_rates([self.optimizer], [], plan.lr_factor)
+            plan.scale_learning_rates([self.optimizer])
             self._record(plan.change)
         closes = window.closes(self._last_in_epoch if last is None else last)
         refused = _fabric.backward_refused(self.fabric, _fabric.FABRIC_BACKWARD_IN_A_WINDOW)

@@ -30,6 +30,18 @@ PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that he
 RANK_IMBALANCE = "accum/rank_imbalance"  # the slowest rank's step cost over the mean rank's: 1.0 when equal
 SYNC_WAIT_SECONDS = "perf/sync_wait_seconds"  # the longest any rank waited for the others at the step's sync
 
+# What the schedule aims at and how far training has come (every accumulation owner and Fabric front end), and with
+# `AdaptiveBatchSize(objective="goodput")` what it weighs. A window of `accum/accumulation_steps` micro-batches may be
+# an epoch's short tail, so `accum/target_accumulation_steps` is the schedule's own k (a fixed schedule's, or the
+# adaptive schedule's unclamped target) and never dips with it.
+TARGET_ACCUMULATION_STEPS = "accum/target_accumulation_steps"  # micro-batches per step the schedule aims at
+SAMPLES_SEEN = "accum/samples_seen"  # samples consumed since the start of training, all ranks (carried by a checkpoint)
+ITEMS_SEEN = "accum/items_seen"  # items (samples or tokens) consumed since the start of training, all ranks
+STATISTICAL_EFFICIENCY = "accum/statistical_efficiency"  # progress per item at this batch: 1 / (1 + B / B_noise)
+STEP_OVERHEAD_SECONDS = "perf/step_overhead_seconds"  # the step's fixed part: sync, optimizer step, zero_grad
+SCHEDULE_KEYS = (TARGET_ACCUMULATION_STEPS, SAMPLES_SEEN, ITEMS_SEEN)
+GOODPUT_KEYS = (STATISTICAL_EFFICIENCY, STEP_OVERHEAD_SECONDS)
+
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
 )

@@ -20,7 +20,7 @@ from lightning_accum.core.engine import AccumulationEngine, HoldsEngine, Ranks, 
 from lightning_accum.core.hand_window import HandWindow
 from lightning_accum.core.normalization import ItemCounter, LossReduction, WindowTotals
 from lightning_accum.core.step_report import AccumulationEvent
-from lightning_accum.schedules import AccumulationSchedule, as_schedule, scale_learning_rates
+from lightning_accum.schedules import AccumulationSchedule, as_schedule
 
 
 class ManualAccumulation(HoldsEngine):
@@ -173,7 +173,7 @@ class ManualAccumulation(HoldsEngine):
         if plan.change is not None:
             # The schedule's learning-rate rule, applied to this helper's optimizer (and its schedulers) only.
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
-            scale_learning_rates([optimizer], schedulers, plan.lr_factor)
+            plan.scale_learning_rates([optimizer], schedulers)
             self.events.append(plan.change)
             log_info(plan.change.message())
 

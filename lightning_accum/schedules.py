@@ -7,11 +7,9 @@ first micro-batch, with the progress made so far. The callbacks decide *when* to
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
-
-from torch.optim import Optimizer
 
 from lightning_accum._util.cli_types import (
     Decay,
@@ -23,13 +21,16 @@ from lightning_accum._util.cli_types import (
     PositiveInt,
     SeveralMicroBatches,
 )
+from lightning_accum._util.log import log_info
 from lightning_accum._util.validation import K_HINT, check_bool, check_choice, check_int, check_milestones, check_number
+from lightning_accum.core.learning_rate import LRScaling, check_lr_scaling, lr_factor
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
 Rounding = Literal["error", "floor", "ceil", "nearest"]
-LRScaling = Literal["linear", "sqrt"]
 _UNITS = get_args(ScheduleUnit)
+CLAMP_NOTE_WINDOWS = 100
+"""Windows in a row whose target lies outside ``[min, max]`` before `AdaptiveBatchSize` says which setting holds k."""
 _ROUNDINGS = get_args(Rounding)
 
 
@@ -58,6 +59,21 @@ class Progress:
         if unit == "step":
             return self.optimizer_steps
         return self.consumed_samples
+
+
+@dataclass(frozen=True)
+class ScheduleFigures:
+    """What a schedule aims at after a window, for the monitor (`lightning_accum.keys.SCHEDULE_KEYS`).
+
+    Attributes:
+        target_accumulation_steps: the ``k`` aimed at (an adaptive schedule's, before clamping); ``None``: unknown.
+        statistical_efficiency: progress per item at the current global batch, ``1 / (1 + B / B_noise)``.
+        step_overhead_seconds: the measured fixed part of an optimizer step.
+    """
+
+    target_accumulation_steps: float | None = None
+    statistical_efficiency: float | None = None
+    step_overhead_seconds: float | None = None
 
 
 @runtime_checkable
@@ -117,10 +133,13 @@ class StepwiseSchedule:
     Args:
         milestones: a mapping from a progress value to the ``k`` that holds from there on.
         unit: what the keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (consumed samples).
+        lr_scaling: when ``k`` changes, multiply every param group's learning rate (and the LR schedulers' base
+            rates) by ``k_new / k_old`` (``"linear"``) or its square root (``"sqrt"``); ``None`` leaves it alone.
 
     Raises:
         TypeError: a key or a value is not an int, or ``milestones`` is not a mapping.
-        ValueError: a key is negative, the keys are not in increasing order, a value is < 1, or ``unit`` is unknown.
+        ValueError: a key is negative, the keys are not in increasing order, a value is < 1, or ``unit`` or
+            ``lr_scaling`` is unknown.
 
     Examples:
         >>> schedule = StepwiseSchedule({0: 1, 100: 2, 200: 4}, unit="step")
@@ -128,8 +147,11 @@ class StepwiseSchedule:
         [1, 1, 2, 4]
     """
 
-    def __init__(self, milestones: Milestones, unit: ScheduleUnit = "epoch") -> None:
+    def __init__(
+        self, milestones: Milestones, unit: ScheduleUnit = "epoch", *, lr_scaling: LRScaling | None = None
+    ) -> None:
         self.unit: ScheduleUnit = check_choice(unit, "unit", _UNITS)
+        self.lr_scaling: LRScaling | None = check_lr_scaling(lr_scaling)
         keys = check_milestones(milestones, unit)
         # Copy: never keep a reference to what the user passed.
         self.milestones: dict[int, int] = {0: 1} if keys[0] != 0 else {}
@@ -145,7 +167,8 @@ class StepwiseSchedule:
         return k
 
     def __repr__(self) -> str:
-        return f"StepwiseSchedule({self.milestones!r}, unit={self.unit!r})"
+        scaling = "" if self.lr_scaling is None else f", lr_scaling={self.lr_scaling!r}"
+        return f"StepwiseSchedule({self.milestones!r}, unit={self.unit!r}{scaling})"
 
 
 class BatchSizeRamp:
@@ -165,11 +188,13 @@ class BatchSizeRamp:
         increment: how much the global batch grows at each increase.
         ramp_samples: consumed samples (all ranks) over which the ramp runs.
         rounding: what to do when a global batch is not a multiple of ``micro_batch_size * world_size``.
+        lr_scaling: when ``k`` changes, multiply every param group's learning rate (and the LR schedulers' base
+            rates) by ``k_new / k_old`` (``"linear"``) or its square root (``"sqrt"``); ``None`` leaves it alone.
 
     Raises:
         TypeError: an argument is not an int.
         ValueError: a size is < 1, ``target < start``, ``target - start`` is not a multiple of ``increment``,
-            ``ramp_samples < 0``, or ``rounding`` is unknown.
+            ``ramp_samples < 0``, or ``rounding`` or ``lr_scaling`` is unknown.
 
     Examples:
         >>> ramp = BatchSizeRamp(start=32, target=128, increment=32, ramp_samples=3000)
@@ -188,6 +213,8 @@ class BatchSizeRamp:
         increment: PositiveInt,
         ramp_samples: NonNegativeInt,
         rounding: Rounding = "error",
+        *,
+        lr_scaling: LRScaling | None = None,
     ) -> None:
         for name, value in (("start", start), ("target", target), ("increment", increment)):
             check_int(value, name, 1, hint="It counts samples in a global batch.")
@@ -200,6 +227,7 @@ class BatchSizeRamp:
                 f" ({increment}). Choose an increment that divides {target - start}."
             )
         self.rounding: Rounding = check_choice(rounding, "rounding", _ROUNDINGS)
+        self.lr_scaling: LRScaling | None = check_lr_scaling(lr_scaling)
         self.start, self.target, self.increment, self.ramp_samples = start, target, increment, ramp_samples
 
     def global_batch_size(self, consumed_samples: int) -> int:
@@ -219,7 +247,9 @@ class BatchSizeRamp:
     def __repr__(self) -> str:
         return (
             f"BatchSizeRamp(start={self.start}, target={self.target}, increment={self.increment},"
-            f" ramp_samples={self.ramp_samples}, rounding={self.rounding!r})"
+            f" ramp_samples={self.ramp_samples}, rounding={self.rounding!r}"
+            + ("" if self.lr_scaling is None else f", lr_scaling={self.lr_scaling!r}")
+            + ")"
         )
 
 
@@ -236,11 +266,14 @@ class AdaptiveBatchSize:
     or negative (the difference of two noisy norms), and the noise scale it gives is then huge.
 
     It needs windows of at least two micro-batches to measure anything, so ``min_accumulation_steps`` must be at least
-    2: at ``k = 1`` nothing is ever measured and ``k`` would stay 1 for good. The two batch sizes it compares (one
-    micro-batch, the whole window) should differ by more than 2x: on the char LM example, windows of 2 gave a
-    negative or undefined ``|G|²`` in 44 of 256 windows, windows of 4 and 8 in none. So ``min_accumulation_steps``
-    defaults to 4. A window whose estimate is not finite (its gradient overflowed) is left out of the average and
-    counted (``estimator.skipped``).
+    2: at ``k = 1`` nothing is ever measured and ``k`` would stay 1 for good. It defaults to 2, so that ``k`` can
+    move where the noise scale is small (on the char LM example it is 20 to 30 sequences: a minimum of 4 micro-batches
+    of 8 held ``k`` above it for a whole run). Windows of 2 compare batch sizes only 2x apart, and early on the
+    smoothed ``|G|²`` can come out negative (on the char LM, 44 of 256 single windows did): while it is not positive,
+    the schedule holds the last valid noise scale, and ``max_growth`` bounds what one wild window does. A window whose
+    estimate is not finite (its gradient overflowed) is left out of the average and counted (``estimator.skipped``).
+    Where the target stays below the minimum or above the maximum for `CLAMP_NOTE_WINDOWS` windows in a row, one log
+    line names the setting that holds ``k``, and the target.
 
     Use it with `lightning_accum.AccumulationScheduler` or, under manual optimization,
     `lightning_accum.ManualAccumulation`; the estimate and ``k`` round-trip through checkpoints.
@@ -276,7 +309,7 @@ class AdaptiveBatchSize:
 
     def __init__(
         self,
-        min_accumulation_steps: SeveralMicroBatches = 4,
+        min_accumulation_steps: SeveralMicroBatches = 2,
         max_accumulation_steps: PositiveInt = 64,
         *,
         factor: PositiveFloat = 1.0,
@@ -292,7 +325,7 @@ class AdaptiveBatchSize:
             "min_accumulation_steps",
             minimum=2,
             hint="A window of one micro-batch has one batch size, so the noise scale is never measured and k would"
-            " stay 1 for good. Use 2 or more; the default, 4, measures cleanly.",
+            " stay 1 for good. Use 2 (the default) or more.",
         )
         self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)
         self.factor = check_number(factor, "factor", minimum=0.0, min_inclusive=False)
@@ -304,13 +337,15 @@ class AdaptiveBatchSize:
                 max_growth, "max_growth", 1.0, min_inclusive=False, hint="Or None to let k jump to its target."
             )
         self.max_growth: float | None = max_growth
-        if lr_scaling is not None:
-            check_choice(lr_scaling, "lr_scaling", ("linear", "sqrt"), hint="Or None to leave the learning rate alone.")
-        self.lr_scaling: LRScaling | None = lr_scaling
+        self.lr_scaling: LRScaling | None = check_lr_scaling(lr_scaling)
         self.estimator = NoiseScaleEstimator(beta)
         self._k = self.min_k
         self._changed_at = 0  # the estimator's window count at the last change of k
         self._items_per_micro_batch: float | None = None  # per rank, smoothed
+        self._noise_scale: float | None = None  # the last valid (finite, positive) smoothed noise scale, held
+        self.target: float | None = None  # the k aimed at after the last window, before clamping and rounding
+        self._clamped = 0  # windows in a row whose target lay outside [min, max]
+        self._clamp_noted = False  # the log line that names the setting holding k is said once
 
     def accumulation_steps(self, progress: Progress) -> int:
         """The ``k`` decided after the last step (the schedule only changes its mind in `observe`)."""
@@ -330,12 +365,15 @@ class AdaptiveBatchSize:
 
     def _decide(self, world_size: int) -> int:
         estimate = self.estimator.value()
-        noise_scale = estimate.gradient_noise_scale
-        if estimate.windows - self._changed_at < max(1, self.warmup_windows) or not self._items_per_micro_batch:
+        if math.isfinite(estimate.gradient_noise_scale) and estimate.gradient_noise_scale > 0:
+            self._noise_scale = estimate.gradient_noise_scale
+        if self._noise_scale is None or not self._items_per_micro_batch:
             return self._k
-        if not math.isfinite(noise_scale) or noise_scale <= 0:
+        target = self.factor * self._noise_scale / (self._items_per_micro_batch * world_size)
+        self.target = target
+        self._note_clamp(target)
+        if estimate.windows - self._changed_at < max(1, self.warmup_windows):
             return self._k
-        target = self.factor * noise_scale / (self._items_per_micro_batch * world_size)
         k = min(self.max_k, max(self.min_k, round(target)))
         if not self.allow_decrease:
             k = max(k, self._k)
@@ -347,12 +385,31 @@ class AdaptiveBatchSize:
         self._changed_at = estimate.windows
         return k
 
+    def _note_clamp(self, target: float) -> None:
+        """Count the windows whose target lies outside the bounds; after `CLAMP_NOTE_WINDOWS`, say so once."""
+        below, above = round(target) < self.min_k, round(target) > self.max_k
+        self._clamped = self._clamped + 1 if below or above else 0
+        if self._clamped < CLAMP_NOTE_WINDOWS or self._clamp_noted:
+            return
+        self._clamp_noted = True
+        setting, bound, fix = (
+            ("min_accumulation_steps", self.min_k, "lower it")
+            if below
+            else ("max_accumulation_steps", self.max_k, "raise it")
+        )
+        log_info(
+            f"lightning_accum: AdaptiveBatchSize's target k has stayed {'below' if below else 'above'} `{setting}`"
+            f" ({bound}) for {self._clamped} windows (target {target:.3g}); `{setting}` holds k at {bound}: {fix}"
+            " to let k follow the target."
+        )
+
+    def figures(self) -> ScheduleFigures:
+        """The unclamped target after the last window, for the monitor."""
+        return ScheduleFigures(self.target)
+
     def lr_factor(self, before: int, after: int) -> float:
         """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
-        if self.lr_scaling is None or before == after:
-            return 1.0
-        ratio = after / before
-        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+        return lr_factor(self.lr_scaling, before, after)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -360,6 +417,10 @@ class AdaptiveBatchSize:
             "changed_at": self._changed_at,
             "items_per_micro_batch": self._items_per_micro_batch,
             "estimator": self.estimator.state_dict(),
+            "noise_scale": self._noise_scale,
+            "target": self.target,
+            "clamped": self._clamped,
+            "clamp_noted": self._clamp_noted,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -367,6 +428,10 @@ class AdaptiveBatchSize:
         self._changed_at = int(state.get("changed_at", 0))
         self._items_per_micro_batch = state.get("items_per_micro_batch")
         self.estimator.load_state_dict(state.get("estimator", {}))
+        self._noise_scale = state.get("noise_scale")
+        self.target = state.get("target")
+        self._clamped = int(state.get("clamped", 0))
+        self._clamp_noted = bool(state.get("clamp_noted", False))
 
     def __repr__(self) -> str:
         return (
@@ -375,22 +440,6 @@ class AdaptiveBatchSize:
             f" lr_scaling={self.lr_scaling!r},"
             f" beta={self.estimator.beta})"
         )
-
-
-def scale_learning_rates(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
-    """Multiply every param group's learning rate in ``optimizers`` by ``factor``, and their schedulers' base rates.
-
-    A scheduler recomputes the rate from its base rates, so those follow too (``schedulers`` holds the LR schedulers
-    of those optimizers; others are the caller's to leave out).
-    """
-    if factor == 1.0:
-        return
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-    for scheduler in schedulers:
-        if hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
 
 def k_for_global_batch(global_batch: int, samples_per_micro_step: int, rounding: Rounding = "error") -> int:

@@ -500,5 +500,5 @@ def assert_grads_close(
             )
 
 
-DASHBOARD_SECTIONS = ["Batch", "Tokens", "Ranks", "Noise scale", "Memory", "Recovery", "Throughput"]
+DASHBOARD_SECTIONS = ["Batch", "Tokens", "Ranks", "Noise scale", "Schedule", "Memory", "Recovery", "Throughput"]
 """The dashboard's sections, in order (the user's own metrics' section comes after them)."""

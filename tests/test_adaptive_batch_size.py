@@ -162,7 +162,7 @@ def test_a_minimum_of_one_micro_batch_is_refused_it_would_never_measure(tmp_path
     with pytest.raises(
         ValueError,
         match=r"`min_accumulation_steps` must be an int >= 2, got 1\. A window of one micro-batch has one batch size,"
-        r" so the noise scale is never measured and k would stay 1 for good\. Use 2 or more",
+        r" so the noise scale is never measured and k would stay 1 for good\. Use 2 \(the default\) or more",
     ):
         AdaptiveBatchSize(min_accumulation_steps=1, max_accumulation_steps=8)
 
@@ -248,4 +248,46 @@ def test_syncing_every_micro_batch_on_several_ranks_is_refused_it_would_never_me
     schedule = adaptive()
     trainer = make_trainer(tmp_path, [AccumulationScheduler(schedule, sync_every_micro_batch=True)])
     trainer.fit(RegressionModel(lr=0.2), DataLoader(IndexedDataset(64), batch_size=4))
-    assert schedule.estimator.value().windows == trainer.global_step == 8
+    # Every window measured (16 micro-batches: 8 steps at k=2, fewer where k grew on the last valid estimate).
+    assert schedule.estimator.value().windows == trainer.global_step > 0
+
+
+def test_the_minimum_defaults_to_two_micro_batches():
+    # Issue 39: a minimum of 4 micro-batches of 8 sequences (32) lay above the char LM's noise scale (20 to 30
+    # sequences), so with its defaults the schedule never moved k in any seed.
+    assert AdaptiveBatchSize().min_k == 2
+
+
+def test_a_window_that_leaves_the_smoothed_grad_sq_norm_negative_holds_the_last_valid_noise_scale():
+    # Windows of 2 make |G|² noisy: while the smoothed |G|² is not positive, the target is the last valid one, and k
+    # goes on following it (as the growth cap and the wait allow), instead of freezing where it stood.
+    schedule = adaptive(warmup_windows=1, beta=0.0, max_accumulation_steps=16)
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(1.0, 24.0))  # B = 24: target 6, k 2 -> 4
+    assert (schedule.accumulation_steps(Progress()), schedule.target) == (4, 6.0)
+    schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=(-0.5, 24.0))  # |G|² < 0: no noise scale
+    assert math.isnan(schedule.estimator.value().gradient_noise_scale)
+    assert (schedule.accumulation_steps(Progress()), schedule.target) == (6, 6.0)
+    restored = adaptive(warmup_windows=1, beta=0.0, max_accumulation_steps=16)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.figures().target_accumulation_steps == 6.0
+
+
+@pytest.mark.parametrize(
+    ("noise", "setting", "bound", "where"),
+    [((1.0, 2.0), "min_accumulation_steps", 2, "below"), ((1.0, 400.0), "max_accumulation_steps", 8, "above")],
+)
+def test_a_target_held_out_of_bounds_for_100_windows_is_said_once(caplog, noise, setting, bound, where):
+    schedule = adaptive(warmup_windows=1, beta=0.0, max_growth=None)
+    with caplog.at_level("INFO", logger="lightning_accum"):
+        for _ in range(99):
+            schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=noise)
+        assert not [r for r in caplog.records if setting in r.getMessage()]
+        for _ in range(150):
+            schedule.observe(items=8.0, micro_batches=2, world_size=1, noise=noise)
+    notes = [r.getMessage() for r in caplog.records if setting in r.getMessage()]
+    target = noise[1] / 4
+    assert notes == [
+        f"lightning_accum: AdaptiveBatchSize's target k has stayed {where} `{setting}` ({bound}) for 100 windows"
+        f" (target {target:.3g}); `{setting}` holds k at {bound}: {'lower' if where == 'below' else 'raise'} it to"
+        " let k follow the target."
+    ]

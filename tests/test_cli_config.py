@@ -132,6 +132,24 @@ def test_mapping_schedule_with_int_keys_from_yaml(tmp_path: Path) -> None:
     assert scheduler.count_items is None
 
 
+@pytest.mark.parametrize("schedule", ["BatchSizeRamp", "StepwiseSchedule"])
+def test_lr_scaling_of_a_fixed_schedule_from_yaml(tmp_path: Path, schedule: str) -> None:
+    # Issue 39: a ramp with the square-root rule needed a callback of the user's own; now it is the schedule's setting.
+    init_args: dict[str, Any] = {"lr_scaling": "sqrt"}
+    if schedule == "BatchSizeRamp":
+        init_args.update(start=16, target=64, increment=16, ramp_samples=1024)
+    else:
+        init_args.update(milestones={0: 1, 100: 4}, unit="step")
+    callback = {
+        "class_path": "lightning_accum.AccumulationScheduler",
+        "init_args": {"schedule": {"class_path": f"lightning_accum.schedules.{schedule}", "init_args": init_args}},
+    }
+    config = tmp_path / "scaled.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    built = scheduler_of(build_from(tmp_path, config)).schedule
+    assert type(built).__name__ == schedule and built.lr_scaling == "sqrt"
+
+
 def test_scheduler_appended_on_the_command_line(tmp_path: Path) -> None:
     cli = build(
         tmp_path,
@@ -423,6 +441,8 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "BatchSizeRamp start": _bad(RAMP, "schedule.start=0", ">= 1, got 0"),
     "BatchSizeRamp ramp_samples": _bad(RAMP, "schedule.ramp_samples=-1", "got -1"),
     "BatchSizeRamp rounding": _bad(RAMP, "schedule.rounding=up", "up"),
+    "BatchSizeRamp lr_scaling": _bad(RAMP, "schedule.lr_scaling=cubic", "cubic"),
+    "StepwiseSchedule lr_scaling": _bad(STEPWISE, "schedule.lr_scaling=square", "square"),
     "min_accumulation_steps": _bad(ADAPTIVE, "schedule.min_accumulation_steps=1", ">= 2, got 1"),
     "max_accumulation_steps": _bad(ADAPTIVE, "schedule.max_accumulation_steps=0", ">= 1, got 0"),
     "factor": _bad(ADAPTIVE, "schedule.factor=0", "> 0, got 0"),

@@ -399,14 +399,14 @@ SCHEDULES: dict[str, tuple[Callable[[], Any], list[int] | None]] = {
     # k=2 for 3 steps (6 micro-batches), then k=3 mid-epoch 0 (3, 3, 3 and the epoch's last micro-batch); k=4 from
     # step 7, epoch 1's first window; k=5 from step 9, mid-epoch 1 (5, and 3 left), then 5, 5, 5, 1 in epoch 2.
     "step-keyed StepwiseSchedule": (
-        lambda: StepwiseSchedule({0: 2, 3: 3, 7: 4, 9: 5}, unit="step"),
+        lambda: StepwiseSchedule({0: 2, 3: 3, 7: 4, 9: 5}, unit="step", lr_scaling="sqrt"),
         [2, 2, 2, 3, 3, 3, 3] + [4, 4, 5, 5] + [5] * 4,
     ),
     # The global batch is 4, 8, 12 and 16 samples from 0, 21.3, 42.7 and 64 consumed samples: k = global / 2.
     # Epoch 0: six windows of 2 (24 samples), one of 4; epoch 1 starts at 32: 4, 4, then 6 from 48 and 6 (2 left)
     # from 60; epoch 2 starts at 64: 8, 8.
     "sample-keyed BatchSizeRamp": (
-        lambda: BatchSizeRamp(start=4, target=16, increment=4, ramp_samples=64),
+        lambda: BatchSizeRamp(start=4, target=16, increment=4, ramp_samples=64, lr_scaling="sqrt"),
         [2] * 6 + [4] + [4, 4, 6, 6] + [8, 8],
     ),
     "AdaptiveBatchSize": (
@@ -451,6 +451,11 @@ def test_a_schedule_sets_k_window_by_window_and_every_window_is_exact(schedule_r
     else:
         assert run.model.planned == expected_k
     assert run.model.micro_batches == windows_of(run.model.planned)
+    # Every schedule's `lr_scaling` (issue 39): each change multiplies the rate by (k_new / k_old) or its square root,
+    # so every step's rate is the first's times (k / k_first) or its square root.
+    scaling = run.engine.schedule.schedule.lr_scaling
+    exponent = 1.0 if scaling == "linear" else 0.5
+    assert run.model.lrs == pytest.approx([LR * (k / run.model.planned[0]) ** exponent for k in run.model.planned])
     assert run.model.consumed == list(itertools.accumulate(len(indices) for indices in run.model.step_indices))
     assert [change[1:4] for change in run.changes()] == [
         (step, before, after)

@@ -90,3 +90,30 @@ def test_as_schedule_accepts_a_user_schedule_object():
     assert as_schedule(schedule) is schedule
     assert as_schedule(None) is None
     assert isinstance(as_schedule(3), ConstantSchedule)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda scaling: StepwiseSchedule({0: 2, 4: 8}, unit="step", lr_scaling=scaling),
+        lambda scaling: BatchSizeRamp(start=8, target=32, increment=24, ramp_samples=16, lr_scaling=scaling),
+    ],
+    ids=["StepwiseSchedule", "BatchSizeRamp"],
+)
+@pytest.mark.parametrize(("scaling", "factor"), [("linear", 4.0), ("sqrt", 2.0), (None, 1.0)])
+def test_every_schedule_says_what_a_change_of_k_does_to_the_learning_rate(build, scaling, factor):
+    # Issue 39: AdaptiveBatchSize's rule, on the fixed schedules too: k 2 -> 8 multiplies the rate by 4 or 2.
+    from lightning_accum.core.engine import ScheduleDriver
+
+    driver = ScheduleDriver(build(scaling))
+    before = driver.plan(Progress(optimizer_steps=0, consumed_samples=0, micro_batch_size=4), step=0)
+    after = driver.plan(Progress(optimizer_steps=4, consumed_samples=16, micro_batch_size=4), step=4)
+    assert (before.k, after.k, before.lr_factor, after.lr_factor) == (2, 8, 1.0, factor)
+    assert after.change is not None and (f"learning rate x{factor:.4g}" in after.change.reason) == (factor != 1.0)
+
+
+def test_a_bad_lr_scaling_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"`lr_scaling` must be 'linear' or 'sqrt', got 'cubic'\. Or None"):
+        StepwiseSchedule({0: 1}, lr_scaling="cubic")
+    with pytest.raises(ValueError, match=r"`lr_scaling` must be 'linear' or 'sqrt', got 'square'\. Or None"):
+        BatchSizeRamp(8, 16, 8, 100, lr_scaling="square")

@@ -25,7 +25,6 @@ from lightning_accum.schedules import (
     ConstantSchedule,
     ScheduleUnit,
     as_schedule,
-    scale_learning_rates,
 )
 from lightning_accum.sequences.loaders import weigh_shares
 
@@ -272,7 +271,7 @@ class AccumulationScheduler(AccumulationOwner):
         if plan.change is not None:
             # The schedule's learning-rate rule for a change of k (`AdaptiveBatchSize(lr_scaling=...)`).
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
-            scale_learning_rates(trainer.optimizers, schedulers, plan.lr_factor)
+            plan.scale_learning_rates(trainer.optimizers, schedulers)
             self._record(plan.change)
         trainer.accumulate_grad_batches = plan.k
 

@@ -54,9 +54,19 @@ _OFF_SCALE = 3.0  # a budget more than this many times the largest peak is named
 _PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of ten above (a diverged loss)
 # Keys that only some runs log: a panel that draws one of them is left out where none of them was logged, and a
 # section with no panel left goes too. The token keys need AutoMicroBatching(sequences=...), the ranks' balance
-# split mode on more than one rank, the noise scale AccumulationMonitor(gradient_noise_scale=True), and the
-# allocator's retries a CUDA or XPU device; the other panels are drawn even when blank, so a missing figure shows.
-_OPTIONAL_KEYS = frozenset({*keys.TOKEN_KEYS, *keys.RANK_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
+# split mode on more than one rank, the noise scale AccumulationMonitor(gradient_noise_scale=True), the allocator's
+# retries a CUDA or XPU device, the schedule's figures an owner (its target a schedule that plans windows, the goodput
+# pair `AdaptiveBatchSize`'s goodput objective); the other panels are drawn even when blank, so a missing figure shows.
+_OPTIONAL_KEYS = frozenset(
+    {
+        *keys.TOKEN_KEYS,
+        *keys.RANK_KEYS,
+        *keys.NOISE_SCALE_KEYS,
+        keys.ALLOC_RETRIES,
+        *keys.SCHEDULE_KEYS,
+        *keys.GOODPUT_KEYS,
+    }
+)
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 

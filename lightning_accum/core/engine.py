@@ -17,15 +17,17 @@ validate, count, weigh, schedule and checkpoint alike. Why ``k`` changed at step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.batches import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
+from lightning_accum.core.learning_rate import lr_factor, scale_learning_rates
 from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.core.normalization import (
     ItemCounter,
@@ -37,7 +39,13 @@ from lightning_accum.core.normalization import (
 )
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.items import resolve_counter
-from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
+from lightning_accum.schedules import (
+    AccumulationSchedule,
+    AdaptiveSchedule,
+    ConstantSchedule,
+    Progress,
+    ScheduleFigures,
+)
 
 STATE_VERSION = 2
 """Version 2: the engine's own state. Version 1 (the owners' flat state) still loads."""
@@ -88,6 +96,13 @@ class WindowPlan:
     k: int
     change: AccumulationEvent | None = None
     lr_factor: float = 1.0
+
+    def scale_learning_rates(self, optimizers: Iterable[Optimizer], schedulers: Iterable[Any] = ()) -> None:
+        """Apply the schedule's ``lr_scaling`` for this change of ``k`` to the front end's optimizers and schedulers.
+
+        Every front end calls this with what it owns (the ``Trainer``: all of them), so the rule is applied alike.
+        """
+        scale_learning_rates(optimizers, schedulers, self.lr_factor)
 
 
 class ScheduleDriver:
@@ -150,16 +165,35 @@ class ScheduleDriver:
             raise ValueError(f"The schedule {self.schedule!r} returned k={k!r}; it must return an int >= 1.")
         plan = WindowPlan(k)
         if self.k_known and k != self.k:
-            factor = self.adaptive.lr_factor(self.k, k) if self.adaptive is not None else 1.0
+            factor = self._lr_factor(self.k, k)
             reason = f"epoch {progress.epoch}" + (f"; learning rate x{factor:.4g}" if factor != 1.0 else "")
             plan = WindowPlan(k, AccumulationEvent("schedule_change", step, self.k, k, reason), factor)
         self.k, self.k_known = k, True
         return plan
 
+    def _lr_factor(self, before: int, after: int) -> float:
+        """The learning-rate factor of a change of ``k``: an adaptive schedule's own, else its ``lr_scaling``'s."""
+        if self.adaptive is not None:
+            return self.adaptive.lr_factor(before, after)
+        return lr_factor(getattr(self.schedule, "lr_scaling", None), before, after)
+
     def observe(self, totals: WindowTotals, micro_batches: int, world_size: int, noise: Any) -> None:
         """Let an adaptive schedule see a closed window (global figures, so every rank's schedule decides alike)."""
         if self.adaptive is not None:
             self.adaptive.observe(totals.items, micro_batches, world_size, noise)
+
+    def figures(self) -> ScheduleFigures:
+        """What the schedule aims at: an adaptive schedule's own figures, a fixed one's ``k`` (never a short tail's).
+
+        Nothing before the first planned window: split mode plans none (memory sets its ``k``).
+        """
+        if not self.k_known:
+            return ScheduleFigures()
+        own = getattr(self.adaptive, "figures", None)
+        if own is not None:
+            figures: ScheduleFigures = own()
+            return figures
+        return ScheduleFigures(float(self.k))
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"micro_batch_size": self.micro_batch_size}
@@ -207,6 +241,8 @@ class ClosedWindow:
     totals: WindowTotals
     micro_batches: int  # this rank's
     noise: tuple[float, float] | None = None
+    consumed_items: float = 0.0  # all ranks, since the start of training, this window included
+    schedule: ScheduleFigures = field(default_factory=ScheduleFigures)
 
     def report(
         self,
@@ -235,6 +271,10 @@ class ClosedWindow:
             loss_items=loss.items,
             events=events,
             noise=self.noise,
+            consumed_items=self.consumed_items,
+            target_accumulation_steps=self.schedule.target_accumulation_steps,
+            statistical_efficiency=self.schedule.statistical_efficiency,
+            step_overhead_seconds=self.schedule.step_overhead_seconds,
             **figures,
         )
 
@@ -275,6 +315,7 @@ class AccumulationEngine:
         self.noise = WindowNoiseMeter()
         self.hooks: BatchHooks = resolve_batch_hooks(None)
         self.consumed_samples = 0  # all ranks, since the start of training (restored on resume)
+        self.consumed_items = 0.0  # the same, in items (tokens with a token counter)
 
     def resolve_hooks(
         self,
@@ -369,8 +410,9 @@ class AccumulationEngine:
                 sum_across_ranks=ranks.sum,
             )
         self.consumed_samples += totals.samples
+        self.consumed_items += totals.items
         self.schedule.observe(totals, normalizer.micro_batches, ranks.world_size, noise)
-        return ClosedWindow(totals, normalizer.micro_batches, noise)
+        return ClosedWindow(totals, normalizer.micro_batches, noise, self.consumed_items, self.schedule.figures())
 
     # ---- checkpointing ----------------------------------------------------------------------------------------
 
@@ -378,6 +420,7 @@ class AccumulationEngine:
         return {
             "version": STATE_VERSION,
             "consumed_samples": self.consumed_samples,
+            "consumed_items": self.consumed_items,
             "normalizer": self.normalizer.state_dict(),
             "noise_meter": self.noise.state_dict(),
             **self.schedule.state_dict(),
@@ -386,6 +429,8 @@ class AccumulationEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from `state_dict`, or from a version-1 owner's flat state (the same keys); missing keys default."""
         self.consumed_samples = int(state.get("consumed_samples", 0))
+        # A checkpoint from before items were counted: its samples are the best count there is.
+        self.consumed_items = float(state.get("consumed_items", self.consumed_samples))
         self.normalizer.load_state_dict(state.get("normalizer", {}))
         self.noise.load_state_dict(state.get("noise_meter", {}))
         self.schedule.load_state_dict(state)

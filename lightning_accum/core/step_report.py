@@ -97,6 +97,14 @@ class StepReport:
             1.0 when every rank's step cost the same. ``None`` otherwise.
         sync_wait_seconds: split mode on more than one rank: the longest any rank waited, in the step's agreement, for
             the others to arrive; ``None`` otherwise.
+        consumed_items: items consumed since the start of training, all ranks, this step included.
+        target_accumulation_steps: the ``k`` the schedule aims at: a fixed schedule's own (not a short tail's count),
+            `lightning_accum.schedules.AdaptiveBatchSize`'s target before clamping; ``None`` where no schedule plans
+            the windows (split mode) or before the adaptive schedule has an estimate.
+        statistical_efficiency: `lightning_accum.schedules.AdaptiveBatchSize` with ``objective="goodput"``: the
+            progress per item at this step's global batch, ``1 / (1 + B / B_noise)``; ``None`` otherwise.
+        step_overhead_seconds: the same schedule's measure of the step's fixed part (sync, optimizer step,
+            ``zero_grad``), in seconds, averaged over ranks; ``None`` otherwise.
     """
 
     mode: Mode
@@ -116,6 +124,10 @@ class StepReport:
     padding_fraction: float | None = None
     rank_imbalance: float | None = None
     sync_wait_seconds: float | None = None
+    consumed_items: float = 0.0
+    target_accumulation_steps: float | None = None
+    statistical_efficiency: float | None = None
+    step_overhead_seconds: float | None = None
 
 
 class LossSum:

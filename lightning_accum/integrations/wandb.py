@@ -159,6 +159,20 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         ),
     ),
     SectionSpec(
+        # Where a schedule plans the windows: the k it aims at (the adaptive schedule's before clamping) against the
+        # k it runs; with `AdaptiveBatchSize(objective="goodput")`, what it weighs.
+        "Schedule",
+        (
+            _marked(
+                "Accumulation steps vs target",
+                (keys.ACCUMULATION_STEPS, keys.TARGET_ACCUMULATION_STEPS),
+                "micro-batches / step",
+            ),
+            PanelSpec("Statistical efficiency", (keys.STATISTICAL_EFFICIENCY,), "1 / (1 + B / B_noise)", (0, 1)),
+            PanelSpec("Step overhead", (keys.STEP_OVERHEAD_SECONDS,), "s (sync, optimizer, zero_grad)", _FROM_ZERO),
+        ),
+    ),
+    SectionSpec(
         "Memory",
         (
             _marked("Peak memory", (keys.PEAK_GIB, keys.PEAK_RESERVED_GIB), "GiB (max over ranks)"),
@@ -192,6 +206,8 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
             PanelSpec("Samples / s", (keys.SAMPLES_PER_SEC,), "samples / s (all ranks)", _FROM_ZERO),
             PanelSpec("Items / s", (keys.ITEMS_PER_SEC,), "items / s (all ranks)", _FROM_ZERO),
             PanelSpec("Training time", (keys.TRAIN_SECONDS,), "s (validation excluded)", _FROM_ZERO),
+            PanelSpec("Samples seen", (keys.SAMPLES_SEEN,), "samples (all ranks, cumulative)", _FROM_ZERO),
+            PanelSpec("Items seen", (keys.ITEMS_SEEN,), "items (all ranks, cumulative)", _FROM_ZERO),
         ),
     ),
 )
@@ -219,7 +235,8 @@ def define_metrics(run: Any, prefix: str = "", *, tokens: bool = False, ranks: b
     run.define_metric(STEP_METRIC)
     token_keys = keys.TOKEN_KEYS if tokens else ()
     rank_keys = keys.RANK_KEYS if ranks else ()
-    for key in (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *token_keys, *rank_keys):
+    contract = (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.SCHEDULE_KEYS)
+    for key in (*contract, *keys.GOODPUT_KEYS, *token_keys, *rank_keys):
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}
         if key in MAX_SUMMARY_KEYS:
             kwargs["summary"] = "max"

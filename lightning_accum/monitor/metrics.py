@@ -26,6 +26,7 @@ from lightning_accum.monitor.rows import (
     StepFigures,
     event_metrics,
     rank_metrics,
+    schedule_metrics,
     step_metrics,
     token_metrics,
 )
@@ -145,7 +146,7 @@ def logging_metrics(
         interval_seconds=seconds,
     )
     # Split by tokens, the last step's budget and padding; split on several ranks, how unequal they were.
-    return {**figures.as_metrics(), **token_metrics(last), **rank_metrics(last)}
+    return {**figures.as_metrics(), **token_metrics(last), **rank_metrics(last), **schedule_metrics(last)}
 
 
 class EveryStepMetrics:

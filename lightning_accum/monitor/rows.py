@@ -142,7 +142,17 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
 STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
 """The figures of one step's own `lightning_accum.core.step_report.StepReport`."""
 
-LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS, *keys.RANK_KEYS))
+LOGGED_KEYS = frozenset(
+    (
+        *keys.ALL_KEYS,
+        *keys.NOISE_SCALE_KEYS,
+        *keys.EVENT_KEYS,
+        *keys.TOKEN_KEYS,
+        *keys.RANK_KEYS,
+        *keys.SCHEDULE_KEYS,
+        *keys.GOODPUT_KEYS,
+    )
+)
 """Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
 
 
@@ -219,3 +229,28 @@ def rank_metrics(report: StepReport) -> dict[str, float]:
     if report.rank_imbalance is None or report.sync_wait_seconds is None:
         return {}
     return {keys.RANK_IMBALANCE: float(report.rank_imbalance), keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds)}
+
+
+def schedule_metrics(report: StepReport) -> dict[str, float]:
+    """How far training has come and what the schedule aims at (`lightning_accum.keys.SCHEDULE_KEYS`, `GOODPUT_KEYS`).
+
+    The counts come from an accumulation owner (summed over ranks); a step counted by the monitor alone (plain
+    ``accumulate_grad_batches``, ``mode="lightning"``) has this rank's only, and logs none of them.
+
+    Examples:
+        >>> report = StepReport("window", 4, 2, 8, 8.0, 64, consumed_items=640.0, target_accumulation_steps=3.5)
+        >>> schedule_metrics(report)
+        {'accum/samples_seen': 64.0, 'accum/items_seen': 640.0, 'accum/target_accumulation_steps': 3.5}
+        >>> schedule_metrics(StepReport("lightning", 4, 2, 8, 8.0, 64))
+        {}
+    """
+    if report.mode == "lightning":
+        return {}
+    metrics = {keys.SAMPLES_SEEN: float(report.consumed_samples), keys.ITEMS_SEEN: float(report.consumed_items)}
+    optional = (
+        (keys.TARGET_ACCUMULATION_STEPS, report.target_accumulation_steps),
+        (keys.STATISTICAL_EFFICIENCY, report.statistical_efficiency),
+        (keys.STEP_OVERHEAD_SECONDS, report.step_overhead_seconds),
+    )
+    metrics.update({key: float(value) for key, value in optional if value is not None})
+    return metrics

@@ -16,7 +16,7 @@ from lightning_accum import keys
 from lightning_accum.core.engine import Ranks
 from lightning_accum.core.step_report import StepReport
 from lightning_accum.memory.backends import MemoryBackend
-from lightning_accum.monitor.rows import event_metrics, rank_metrics, step_metrics, to_gib
+from lightning_accum.monitor.rows import event_metrics, rank_metrics, schedule_metrics, step_metrics, to_gib
 from lightning_accum.monitor.summary import FitSummary
 
 
@@ -50,7 +50,12 @@ class StepLog:
         capacity = self.backend.capacity_bytes()
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
-        metrics = {**step_metrics(report), **rank_metrics(report), **event_metrics(report.events)}
+        metrics = {
+            **step_metrics(report),
+            **rank_metrics(report),
+            **event_metrics(report.events),
+            **schedule_metrics(report),
+        }
         metrics[keys.WINDOW_LOSS] = float(loss[0] / loss[1]) if loss[1] > 0 else float("nan")
         metrics[keys.PEAK_GIB] = to_gib(int(peak[0]))
         metrics[keys.CAPACITY_GIB] = to_gib(capacity)

@@ -462,6 +462,27 @@ def test_accumulation_steps_is_the_steps_own_count_on_a_short_tail(tmp_path):
     assert [rows[s][keys.EFFECTIVE_BATCH_SIZE] for s in sorted(rows)] == [16, 16, 8]
 
 
+def test_the_target_is_the_schedules_k_on_a_short_tail_and_the_samples_seen_go_on_after_a_resume(tmp_path):
+    # Issue 39: the tail's 2 micro-batches read as a drop of k; the target says the schedule still asks for 4. The
+    # samples (and items) seen count from the start of training, all ranks, and a checkpoint carries them.
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = fit(tmp_path, [AccumulationScheduler(4), AccumulationMonitor()], csv_logger, n=40, max_epochs=1)
+    rows = read_csv(csv_logger.log_dir)
+    assert [rows[s][keys.TARGET_ACCUMULATION_STEPS] for s in sorted(rows)] == [4, 4, 4]
+    assert [rows[s][keys.SAMPLES_SEEN] for s in sorted(rows)] == [16, 32, 40]
+    assert [rows[s][keys.ITEMS_SEEN] for s in sorted(rows)] == [16, 32, 40]
+    assert not set(keys.GOODPUT_KEYS) & rows[0].keys()  # a fixed schedule weighs no goodput
+    ckpt = tmp_path / "one_epoch.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed_logger = CSVLogger(str(tmp_path), name="resumed")
+    resumed = make_trainer(
+        tmp_path, [AccumulationScheduler(4), AccumulationMonitor()], logger=resumed_logger, max_epochs=2
+    )
+    resumed.fit(RegressionModel(), DataLoader(IndexedDataset(40), batch_size=4), ckpt_path=ckpt)
+    rows = read_csv(resumed_logger.log_dir)
+    assert [rows[s][keys.SAMPLES_SEEN] for s in sorted(rows)] == [56, 72, 80]
+
+
 def test_the_wandb_run_config_holds_every_setting(tmp_path, wandb_offline):
     # Issue 9, item 19: every argument of the owner, the budget as given and in bytes, and the schedule's real unit.
     from lightning_accum import AutoMicroBatching, BatchSizeRamp

@@ -287,7 +287,7 @@ def test_every_panel_shares_one_x_range_and_counts_get_whole_number_ticks(split_
     assert set(axes) == {
         *["Effective batch size", "Micro-batch size", "Accumulation steps", "Items per step", "Window loss"],
         *["Peak memory", "Peak fraction vs budget", "OOM retries", "Events", "Samples / s", "Items / s"],
-        "Training time",
+        *["Training time", "Samples seen", "Items seen"],  # an owner counts what it consumed, split mode too
     }
     assert {ax.get_xlim() for ax in axes.values()} == {axes["Micro-batch size"].get_xlim()}
     low, high = axes["Events"].get_xlim()

@@ -43,6 +43,8 @@ CONTRACT_KEYS = {
     *keys.NOISE_SCALE_KEYS,
     *keys.TOKEN_KEYS,
     *keys.RANK_KEYS,
+    *keys.SCHEDULE_KEYS,
+    *keys.GOODPUT_KEYS,
 }
 
 
@@ -212,7 +214,7 @@ def test_dashboard_spec_is_built_offline_and_names_exactly_the_contract_keys(no_
 def test_dashboard_layout_has_the_four_sections_of_the_brief():
     names = {section.name: [p.title for p in section.panels] for section in PANEL_LAYOUT}
     assert names["Batch"][:4] == ["Effective batch size", "Micro-batch size", "Accumulation steps", "Items per step"]
-    assert names["Throughput"] == ["Samples / s", "Items / s", "Training time"]
+    assert names["Throughput"] == ["Samples / s", "Items / s", "Training time", "Samples seen", "Items seen"]
 
 
 @pytest.mark.parametrize(("entity", "project"), [("", "p"), ("e", "")])
