@@ -21,16 +21,24 @@ from lightning_accum._util.cli_types import (
     PositiveInt,
     SeveralMicroBatches,
 )
-from lightning_accum._util.log import log_info
 from lightning_accum._util.validation import K_HINT, check_bool, check_choice, check_int, check_milestones, check_number
+from lightning_accum.core.batch_choice import (
+    ClampNote,
+    Objective,
+    ScheduleFigures,
+    StepCostAverage,
+    allowed_range,
+    check_objective,
+    goodput_choice,
+    optimal_accumulation_steps,
+    statistical_efficiency,
+)
 from lightning_accum.core.learning_rate import LRScaling, check_lr_scaling, lr_factor
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
 Rounding = Literal["error", "floor", "ceil", "nearest"]
 _UNITS = get_args(ScheduleUnit)
-CLAMP_NOTE_WINDOWS = 100
-"""Windows in a row whose target lies outside ``[min, max]`` before `AdaptiveBatchSize` says which setting holds k."""
 _ROUNDINGS = get_args(Rounding)
 
 
@@ -59,21 +67,6 @@ class Progress:
         if unit == "step":
             return self.optimizer_steps
         return self.consumed_samples
-
-
-@dataclass(frozen=True)
-class ScheduleFigures:
-    """What a schedule aims at after a window, for the monitor (`lightning_accum.keys.SCHEDULE_KEYS`).
-
-    Attributes:
-        target_accumulation_steps: the ``k`` aimed at (an adaptive schedule's, before clamping); ``None``: unknown.
-        statistical_efficiency: progress per item at the current global batch, ``1 / (1 + B / B_noise)``.
-        step_overhead_seconds: the measured fixed part of an optimizer step.
-    """
-
-    target_accumulation_steps: float | None = None
-    statistical_efficiency: float | None = None
-    step_overhead_seconds: float | None = None
 
 
 @runtime_checkable
@@ -254,37 +247,38 @@ class BatchSizeRamp:
 
 
 class AdaptiveBatchSize:
-    """``k`` from the measured gradient noise scale: a global batch of about ``factor`` times ``B_noise`` items.
+    """``k`` from the measured gradient noise scale and, by default, the measured cost of a step.
 
-    The gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al., 2018) predicts the critical batch size:
-    below it, a larger batch buys almost proportionally faster progress per step; above it, little. It usually grows
-    as the loss falls. This schedule measures it in every window (at the cost of two gradient norms, see
-    `lightning_accum.core.noise_scale`) and, after each optimizer step, aims ``k`` at
-    ``factor · B_noise / (items per micro-batch · world size)``, clamped to ``[min_accumulation_steps,
-    max_accumulation_steps]``. A change lands at the next window boundary, moves ``k`` by at most ``max_growth``,
-    and waits ``warmup_windows`` windows after the last one: a single window's estimate of ``|G|²`` can be near zero
-    or negative (the difference of two noisy norms), and the noise scale it gives is then huge.
+    The gradient noise scale ``B_noise = tr(Σ)/|G|²`` (McCandlish et al., 2018) says what a larger batch costs in
+    samples: an item in a global batch of ``B`` items makes ``1 / (1 + B / B_noise)`` of the progress it makes in a
+    very small one. This schedule measures it in every window (two gradient norms, `lightning_accum.core.noise_scale`)
+    and decides ``k`` after each optimizer step, by ``objective`` (see docs/noise-scale.md):
 
-    It needs windows of at least two micro-batches to measure anything, so ``min_accumulation_steps`` must be at least
-    2: at ``k = 1`` nothing is ever measured and ``k`` would stay 1 for good. It defaults to 2, so that ``k`` can
-    move where the noise scale is small (on the char LM example it is 20 to 30 sequences: a minimum of 4 micro-batches
-    of 8 held ``k`` above it for a whole run). Windows of 2 compare batch sizes only 2x apart, and early on the
-    smoothed ``|G|²`` can come out negative (on the char LM, 44 of 256 single windows did): while it is not positive,
-    the schedule holds the last valid noise scale, and ``max_growth`` bounds what one wild window does. A window whose
-    estimate is not finite (its gradient overflowed) is left out of the average and counted (``estimator.skipped``).
-    Where the target stays below the minimum or above the maximum for `CLAMP_NOTE_WINDOWS` windows in a row, one log
-    line names the setting that holds ``k``, and the target.
+    * ``"goodput"`` (the default): the ``k`` of the largest items per second times statistical efficiency (Pollux,
+      OSDI 2021), from the measured time of a micro-batch and of the step's fixed part (sync, optimizer, ``zero_grad``):
+      a global batch near ``B* = sqrt(B_noise · s / c)`` (`lightning_accum.core.batch_choice`). It moves only for a
+      predicted gain of ``min_gain`` or more.
+    * ``"noise_scale"``: ``k = factor · B_noise / (items per micro-batch · world size)``, moving only when the target
+      is ``hysteresis`` away from ``k``.
 
-    Use it with `lightning_accum.AccumulationScheduler` or, under manual optimization,
-    `lightning_accum.ManualAccumulation`; the estimate and ``k`` round-trip through checkpoints.
+    Either way ``k`` stays in ``[min_accumulation_steps, max_accumulation_steps]``, changes at window boundaries by at
+    most ``max_growth``, ``warmup_windows`` windows after the last change, and only upwards unless ``allow_decrease``.
+    Every rank decides alike (the timings ride in the window's all-reduce of its counts), and the change's log line
+    says why. ``min_accumulation_steps`` is at least 2 (at ``k = 1`` nothing is measured) and defaults to 2; while the
+    smoothed ``|G|²`` is not positive the last valid noise scale is held; where the target stays out of bounds for
+    100 windows in a row, one log line names the setting that holds ``k``. The state round-trips through
+    checkpoints: a resumed run with ``"noise_scale"`` takes the uninterrupted run's path; with ``"goodput"`` it goes
+    on from the saved timings, while the rest of the run's clock is its own.
 
     Args:
         min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
         max_accumulation_steps: the largest ``k``.
-        factor: the target global batch as a multiple of the noise scale.
+        objective: ``"goodput"`` or ``"noise_scale"`` (above).
+        factor: ``objective="noise_scale"`` only: the target global batch as a multiple of the noise scale (1.0).
+        min_gain: ``objective="goodput"`` only: the smallest predicted gain in goodput that moves ``k``.
         warmup_windows: windows measured before ``k`` may change, and between two changes.
-        hysteresis: how far (relative to the current ``k``) the target must move before ``k`` follows.
-        allow_decrease: let ``k`` go down when the noise scale falls (by default it never does).
+        hysteresis: ``objective="noise_scale"``: how far (relative to ``k``) the target must move before ``k`` follows.
+        allow_decrease: let ``k`` go down (by default it never does).
         max_growth: the largest factor by which one change multiplies (or divides) ``k``; ``None`` lets ``k`` jump
             straight to its target.
         lr_scaling: when ``k`` changes, multiply the learning rate of every param group by ``k_new / k_old``
@@ -293,11 +287,12 @@ class AdaptiveBatchSize:
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: ``min_accumulation_steps < 2``, ``max < min``, ``factor <= 0``, ``hysteresis < 0``,
-            ``max_growth <= 1``, an unknown ``lr_scaling``, or ``beta`` outside ``[0, 1)``.
+        ValueError: an argument out of its range (``min_accumulation_steps < 2``, ``max < min``, ``factor <= 0``,
+            ``max_growth <= 1``, ``beta`` outside ``[0, 1)``, ...), an unknown ``objective`` or ``lr_scaling``, or
+            ``factor`` given with ``objective="goodput"``.
 
     Examples:
-        >>> schedule = AdaptiveBatchSize(min_accumulation_steps=2, max_accumulation_steps=16, warmup_windows=1)
+        >>> schedule = AdaptiveBatchSize(2, 16, objective="noise_scale", warmup_windows=1)
         >>> schedule.accumulation_steps(Progress())
         2
         >>> schedule.observe(items=64.0, micro_batches=2, world_size=1, noise=(1.0, 160.0))  # B_noise = 160 items
@@ -312,7 +307,9 @@ class AdaptiveBatchSize:
         min_accumulation_steps: SeveralMicroBatches = 2,
         max_accumulation_steps: PositiveInt = 64,
         *,
-        factor: PositiveFloat = 1.0,
+        objective: Objective = "goodput",
+        factor: PositiveFloat | None = None,
+        min_gain: NonNegativeFloat = 0.05,
         warmup_windows: NonNegativeInt = 50,
         hysteresis: NonNegativeFloat = 0.25,
         allow_decrease: bool = False,
@@ -328,7 +325,8 @@ class AdaptiveBatchSize:
             " stay 1 for good. Use 2 (the default) or more.",
         )
         self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)
-        self.factor = check_number(factor, "factor", minimum=0.0, min_inclusive=False)
+        self.objective, self.factor = check_objective(objective, factor)
+        self.min_gain = check_number(min_gain, "min_gain", minimum=0.0, hint="0.05 moves k for a 5% predicted gain.")
         self.warmup_windows = check_int(warmup_windows, "warmup_windows", minimum=0)
         self.hysteresis = check_number(hysteresis, "hysteresis", minimum=0.0)
         self.allow_decrease = check_bool(allow_decrease, "allow_decrease")
@@ -339,17 +337,28 @@ class AdaptiveBatchSize:
         self.max_growth: float | None = max_growth
         self.lr_scaling: LRScaling | None = check_lr_scaling(lr_scaling)
         self.estimator = NoiseScaleEstimator(beta)
+        self.step_cost = StepCostAverage()
         self._k = self.min_k
         self._changed_at = 0  # the estimator's window count at the last change of k
         self._items_per_micro_batch: float | None = None  # per rank, smoothed
         self._noise_scale: float | None = None  # the last valid (finite, positive) smoothed noise scale, held
         self.target: float | None = None  # the k aimed at after the last window, before clamping and rounding
-        self._clamped = 0  # windows in a row whose target lay outside [min, max]
-        self._clamp_noted = False  # the log line that names the setting holding k is said once
+        self.reason = ""  # why k changed last, for the change's log line
+        self._clamp = ClampNote()
+        self._world_size = 1  # the last window's
+
+    @property
+    def wants_step_cost(self) -> bool:
+        """Whether the front end must time the steps (`observe_cost`): the goodput objective weighs them."""
+        return self.objective == "goodput"
 
     def accumulation_steps(self, progress: Progress) -> int:
         """The ``k`` decided after the last step (the schedule only changes its mind in `observe`)."""
         return self._k
+
+    def observe_cost(self, micro_seconds: float, micro_batches: float, overhead_seconds: float, steps: float) -> None:
+        """Take one window's timings, summed over ranks (`lightning_accum.core.batch_choice.StepClock.take`)."""
+        self.step_cost.add(micro_seconds, micro_batches, overhead_seconds, steps)
 
     def observe(self, items: float, micro_batches: int, world_size: int, noise: tuple[float, float] | None) -> None:
         """Take one optimizer step's figures (global items, this rank's micro-batches, the noise estimates)."""
@@ -361,51 +370,43 @@ class AdaptiveBatchSize:
             self._items_per_micro_batch = (
                 per_micro_batch if previous is None else 0.9 * previous + 0.1 * per_micro_batch
             )
+        self._world_size = world_size
         self._k = self._decide(world_size)
 
     def _decide(self, world_size: int) -> int:
         estimate = self.estimator.value()
         if math.isfinite(estimate.gradient_noise_scale) and estimate.gradient_noise_scale > 0:
             self._noise_scale = estimate.gradient_noise_scale
-        if self._noise_scale is None or not self._items_per_micro_batch:
+        noise, n, cost = self._noise_scale, self._items_per_micro_batch, self.step_cost.value()
+        if noise is None or not n or (self.objective == "goodput" and cost is None):
             return self._k
-        target = self.factor * self._noise_scale / (self._items_per_micro_batch * world_size)
-        self.target = target
-        self._note_clamp(target)
+        if cost is not None and self.objective == "goodput":
+            self.target = optimal_accumulation_steps(cost, n, world_size, noise)
+        else:
+            self.target = self.factor * noise / (n * world_size)
+        self._clamp.add(self.target, self.min_k, self.max_k)  # logs once where the bounds hold k for long
         if estimate.windows - self._changed_at < max(1, self.warmup_windows):
             return self._k
-        k = min(self.max_k, max(self.min_k, round(target)))
-        if not self.allow_decrease:
-            k = max(k, self._k)
-        if self.max_growth is not None:
-            k = min(k, math.floor(self._k * self.max_growth))
-            k = max(k, math.ceil(self._k / self.max_growth))
-        if abs(k - self._k) <= self.hysteresis * self._k:
-            return self._k
-        self._changed_at = estimate.windows
+        low, high = allowed_range(self._k, self.min_k, self.max_k, self.max_growth, self.allow_decrease)
+        if cost is not None and self.objective == "goodput":
+            k, why = goodput_choice(self._k, low, high, cost, n, world_size, noise, self.min_gain)
+        else:
+            k = min(high, max(low, round(self.target)))
+            if abs(k - self._k) <= self.hysteresis * self._k:
+                return self._k
+            why = f"noise scale {noise:.4g} items x {self.factor:g} / {n:.4g} items a micro-batch: k {self.target:.3g}"
+        if k != self._k:
+            self._changed_at, self.reason = estimate.windows, why
         return k
 
-    def _note_clamp(self, target: float) -> None:
-        """Count the windows whose target lies outside the bounds; after `CLAMP_NOTE_WINDOWS`, say so once."""
-        below, above = round(target) < self.min_k, round(target) > self.max_k
-        self._clamped = self._clamped + 1 if below or above else 0
-        if self._clamped < CLAMP_NOTE_WINDOWS or self._clamp_noted:
-            return
-        self._clamp_noted = True
-        setting, bound, fix = (
-            ("min_accumulation_steps", self.min_k, "lower it")
-            if below
-            else ("max_accumulation_steps", self.max_k, "raise it")
-        )
-        log_info(
-            f"lightning_accum: AdaptiveBatchSize's target k has stayed {'below' if below else 'above'} `{setting}`"
-            f" ({bound}) for {self._clamped} windows (target {target:.3g}); `{setting}` holds k at {bound}: {fix}"
-            " to let k follow the target."
-        )
-
     def figures(self) -> ScheduleFigures:
-        """The unclamped target after the last window, for the monitor."""
-        return ScheduleFigures(self.target)
+        """The unclamped target and, with the goodput objective, what it weighs."""
+        cost, noise, n = self.step_cost.value(), self._noise_scale, self._items_per_micro_batch
+        if self.objective != "goodput" or cost is None or noise is None or not n:
+            return ScheduleFigures(self.target)
+        # The efficiency of the global batch the next windows run.
+        batch = self._k * n * self._world_size
+        return ScheduleFigures(self.target, statistical_efficiency(batch, noise), cost.overhead_seconds)
 
     def lr_factor(self, before: int, after: int) -> float:
         """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
@@ -419,8 +420,9 @@ class AdaptiveBatchSize:
             "estimator": self.estimator.state_dict(),
             "noise_scale": self._noise_scale,
             "target": self.target,
-            "clamped": self._clamped,
-            "clamp_noted": self._clamp_noted,
+            "clamp": self._clamp.state_dict(),
+            "step_cost": self.step_cost.state_dict(),
+            "reason": self.reason,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -430,14 +432,16 @@ class AdaptiveBatchSize:
         self.estimator.load_state_dict(state.get("estimator", {}))
         self._noise_scale = state.get("noise_scale")
         self.target = state.get("target")
-        self._clamped = int(state.get("clamped", 0))
-        self._clamp_noted = bool(state.get("clamp_noted", False))
+        self._clamp.load_state_dict(state.get("clamp", {}))
+        self.step_cost.load_state_dict(state.get("step_cost", {}))
+        self.reason = str(state.get("reason", ""))
 
     def __repr__(self) -> str:
+        chosen = f"factor={self.factor}" if self.objective == "noise_scale" else f"min_gain={self.min_gain}"
         return (
-            f"AdaptiveBatchSize({self.min_k}, {self.max_k}, factor={self.factor}, warmup_windows={self.warmup_windows},"
-            f" hysteresis={self.hysteresis}, allow_decrease={self.allow_decrease}, max_growth={self.max_growth},"
-            f" lr_scaling={self.lr_scaling!r},"
+            f"AdaptiveBatchSize({self.min_k}, {self.max_k}, objective={self.objective!r}, {chosen},"
+            f" warmup_windows={self.warmup_windows}, hysteresis={self.hysteresis},"
+            f" allow_decrease={self.allow_decrease}, max_growth={self.max_growth}, lr_scaling={self.lr_scaling!r},"
             f" beta={self.estimator.beta})"
         )
 

@@ -26,6 +26,7 @@ from tests.helpers import (
 
 def adaptive(**kwargs) -> AdaptiveBatchSize:
     settings = {"min_accumulation_steps": 2, "max_accumulation_steps": 8, "warmup_windows": 5, "beta": 0.8}
+    settings["objective"] = "noise_scale"  # the goodput objective's tests are in tests/test_goodput.py
     return AdaptiveBatchSize(**{**settings, **kwargs})
 
 
@@ -146,7 +147,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
     [
         ({"min_accumulation_steps": 0}, ValueError, "`min_accumulation_steps` must be an int >= 2"),
         ({"min_accumulation_steps": 4, "max_accumulation_steps": 2}, ValueError, "`max_accumulation_steps` must be"),
-        ({"factor": 0}, ValueError, "`factor` must be"),
+        ({"objective": "noise_scale", "factor": 0}, ValueError, "`factor` must be"),
         ({"lr_scaling": "cubic"}, ValueError, "`lr_scaling` must be"),
         ({"beta": 1.0}, ValueError, r"`beta` must be a number in \[0, 1\)"),
         ({"max_growth": 1.0}, ValueError, r"`max_growth` must be a finite number > 1.0, got 1.0. Or None"),

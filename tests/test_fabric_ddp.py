@@ -154,7 +154,7 @@ def _run_case(fabric, case: str) -> None:
         sizes = [3, 1]
         per_rank = [list(range(0, 15)), list(range(15, 20))]
         schedule = (
-            AdaptiveBatchSize(2, 4, warmup_windows=1, beta=0.5, factor=8.0)
+            AdaptiveBatchSize(2, 4, objective="noise_scale", warmup_windows=1, beta=0.5, factor=8.0)
             if case == "window-adaptive"
             else {0: 2, 2: 3}
         )

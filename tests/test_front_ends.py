@@ -410,7 +410,9 @@ SCHEDULES: dict[str, tuple[Callable[[], Any], list[int] | None]] = {
         [2] * 6 + [4] + [4, 4, 6, 6] + [8, 8],
     ),
     "AdaptiveBatchSize": (
-        lambda: AdaptiveBatchSize(2, 16, factor=2.0, warmup_windows=2, beta=0.5, lr_scaling="linear"),
+        lambda: AdaptiveBatchSize(
+            2, 16, objective="noise_scale", factor=2.0, warmup_windows=2, beta=0.5, lr_scaling="linear"
+        ),
         None,
     ),
 }

@@ -62,7 +62,7 @@ def _worker(rank: int, port: int, out_dir: str, mode: str) -> None:
     if mode == "ddp":  # the same run under DDP, which Lightning also starts from torchrun's variables
         strategy = h.ddp_strategy(start_method="popen")
     if mode in ("fsdp2", "ddp"):
-        schedule = AdaptiveBatchSize(2, 8, warmup_windows=2, beta=0.5, factor=8.0)
+        schedule = AdaptiveBatchSize(2, 8, objective="noise_scale", warmup_windows=2, beta=0.5, factor=8.0)
         callbacks: list[pl.Callback] = [AccumulationScheduler(schedule, count_items=h.count_tokens)]
         model, dataset, batch_size, epochs = ShardedTokenModel(), h.TokenDataset(WINDOW_SAMPLES), MICRO, 2
     else:

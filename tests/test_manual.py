@@ -111,7 +111,7 @@ def test_the_former_argument_name_still_works_with_a_deprecation():
 # AdaptiveBatchSize under manual optimization: the same adaptation as in window mode
 # ---------------------------------------------------------------------------------------------------------------
 def adaptive_schedule() -> AdaptiveBatchSize:
-    return AdaptiveBatchSize(2, 16, warmup_windows=5, beta=0.8, lr_scaling="linear")
+    return AdaptiveBatchSize(2, 16, objective="noise_scale", warmup_windows=5, beta=0.8, lr_scaling="linear")
 
 
 class ManualRegression(RegressionModel):

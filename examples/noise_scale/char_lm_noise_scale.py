@@ -397,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     variants[adaptive] = AdaptiveBatchSize(
         args.adaptive_min,
         args.adaptive_max,
+        objective="noise_scale",
         factor=args.adaptive_factor,
         warmup_windows=args.adaptive_warmup,
         beta=args.adaptive_beta,

@@ -17,6 +17,7 @@ validate, count, weigh, schedule and checkpoint alike. Why ``k`` changed at step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.batches import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
+from lightning_accum.core.batch_choice import ScheduleFigures, StepClock
 from lightning_accum.core.learning_rate import lr_factor, scale_learning_rates
 from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.core.normalization import (
@@ -39,13 +41,7 @@ from lightning_accum.core.normalization import (
 )
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.items import resolve_counter
-from lightning_accum.schedules import (
-    AccumulationSchedule,
-    AdaptiveSchedule,
-    ConstantSchedule,
-    Progress,
-    ScheduleFigures,
-)
+from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
 
 STATE_VERSION = 2
 """Version 2: the engine's own state. Version 1 (the owners' flat state) still loads."""
@@ -127,6 +123,7 @@ class ScheduleDriver:
         # Protocol checks cost tens of microseconds: done once here, not at every window.
         self.adaptive: AdaptiveSchedule | None = schedule if isinstance(schedule, AdaptiveSchedule) else None
         self._stateful: StatefulSchedule | None = schedule if isinstance(schedule, StatefulSchedule) else None
+        self.times_steps = bool(getattr(self.adaptive, "wants_step_cost", False))  # the goodput objective
         self.k = 1
         self.k_known = False  # False until the first window of a run: its k is the start, not a change
         self.micro_batch_size = 0  # agreed across ranks at the first window; feeds sample-keyed schedules
@@ -136,6 +133,7 @@ class ScheduleDriver:
         self.schedule = schedule
         self.adaptive = schedule if isinstance(schedule, AdaptiveSchedule) else None
         self._stateful = schedule if isinstance(schedule, StatefulSchedule) else None
+        self.times_steps = bool(getattr(self.adaptive, "wants_step_cost", False))
 
     @property
     def unit(self) -> str | None:
@@ -166,7 +164,9 @@ class ScheduleDriver:
         plan = WindowPlan(k)
         if self.k_known and k != self.k:
             factor = self._lr_factor(self.k, k)
-            reason = f"epoch {progress.epoch}" + (f"; learning rate x{factor:.4g}" if factor != 1.0 else "")
+            why = getattr(self.adaptive, "reason", "")  # an adaptive schedule says why it moved
+            reason = f"epoch {progress.epoch}" + (f"; {why}" if why else "")
+            reason += f"; learning rate x{factor:.4g}" if factor != 1.0 else ""
             plan = WindowPlan(k, AccumulationEvent("schedule_change", step, self.k, k, reason), factor)
         self.k, self.k_known = k, True
         return plan
@@ -181,6 +181,11 @@ class ScheduleDriver:
         """Let an adaptive schedule see a closed window (global figures, so every rank's schedule decides alike)."""
         if self.adaptive is not None:
             self.adaptive.observe(totals.items, micro_batches, world_size, noise)
+
+    def observe_cost(self, timings: Sequence[float]) -> None:
+        """Let the schedule see a window's step timings, summed over ranks (`StepClock.take`)."""
+        if self.adaptive is not None and self.times_steps:
+            self.adaptive.observe_cost(*timings)  # type: ignore[attr-defined]  # `wants_step_cost` says it has it
 
     def figures(self) -> ScheduleFigures:
         """What the schedule aims at: an adaptive schedule's own figures, a fixed one's ``k`` (never a short tail's).
@@ -316,6 +321,8 @@ class AccumulationEngine:
         self.hooks: BatchHooks = resolve_batch_hooks(None)
         self.consumed_samples = 0  # all ranks, since the start of training (restored on resume)
         self.consumed_items = 0.0  # the same, in items (tokens with a token counter)
+        self.clock = StepClock()  # the step's timings, for a schedule that weighs them (the goodput objective)
+        self._clock_epoch: int | None = None
 
     def resolve_hooks(
         self,
@@ -339,6 +346,9 @@ class AccumulationEngine:
             ranks: the ranks and their collectives; every rank calls this alike at the first window.
         """
         driver = self.schedule
+        if epoch != self._clock_epoch:  # the time across an epoch's end (validation, a new loader) is no step's
+            self.clock.restart()
+            self._clock_epoch = epoch
         driver.agree_micro_batch_size(n_samples, ranks)
         progress = Progress(epoch, step, self.consumed_samples, driver.micro_batch_size, ranks.world_size)
         plan = driver.plan(progress, step)
@@ -360,7 +370,10 @@ class AccumulationEngine:
 
     def add(self, n_items: int | float | Tensor, n_samples: int) -> float | Tensor:
         """Record a micro-batch; the weight its loss must be multiplied by before its backward."""
-        return self.normalizer.add_micro_batch(n_items, n_samples)
+        weight = self.normalizer.add_micro_batch(n_items, n_samples)
+        if self.schedule.times_steps:
+            self.clock.tick(first=self.normalizer.micro_batches == 1)
+        return weight
 
     def wants_noise(self, step: int) -> bool:
         """Whether the window of optimizer ``step`` measures the gradient noise scale."""
@@ -397,7 +410,14 @@ class AccumulationEngine:
         """
         normalizer = self.normalizer
         world = ranks.world_size if averaged_over is None else averaged_over
-        totals = normalizer.finish_window(parameters, ranks.sum, world, ranks=ranks.world_size, extra=extra)
+        # The step's timings ride, summed over ranks, in the all-reduce of the window's counts: no collective of theirs.
+        timings = self.clock.take() if self.schedule.times_steps else ()
+        totals = normalizer.finish_window(
+            parameters, ranks.sum, world, ranks=ranks.world_size, extra=(*extra, *timings)
+        )
+        if timings:
+            self.schedule.observe_cost(totals.extra[len(extra) :])
+            totals = dataclasses.replace(totals, extra=totals.extra[: len(extra)])
         noise = None
         if measure_noise:
             noise = self.noise.measure(
