@@ -310,7 +310,7 @@ class AdaptiveBatchSize:
         objective: Objective = "goodput",
         factor: PositiveFloat | None = None,
         min_gain: NonNegativeFloat = 0.05,
-        warmup_windows: NonNegativeInt = 50,
+        warmup_windows: NonNegativeInt = 20,
         hysteresis: NonNegativeFloat = 0.25,
         allow_decrease: bool = False,
         max_growth: GrowthFactor | None = 2.0,

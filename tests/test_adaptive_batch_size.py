@@ -257,6 +257,8 @@ def test_the_minimum_defaults_to_two_micro_batches():
     # Issue 39: a minimum of 4 micro-batches of 8 sequences (32) lay above the char LM's noise scale (20 to 30
     # sequences), so with its defaults the schedule never moved k in any seed.
     assert AdaptiveBatchSize().min_k == 2
+    # And it waits 20 windows, not 50: with max_growth=2, three doublings took 150 windows, more than a short run has.
+    assert AdaptiveBatchSize().warmup_windows == 20
 
 
 def test_a_window_that_leaves_the_smoothed_grad_sq_norm_negative_holds_the_last_valid_noise_scale():

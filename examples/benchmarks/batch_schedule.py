@@ -1,0 +1,325 @@
+"""Which k trains fastest on the clock: fixed k, a ramp, and AdaptiveBatchSize() with no argument (issue 39).
+
+    OMP_NUM_THREADS=1 python examples/benchmarks/batch_schedule.py [--quick] [--settings a,b] [--out DIR]
+
+A benchmark, not a timed test. Two settings whose best fixed ``k`` differ:
+
+* ``a``: one process, the byte-level char LM of ``examples/char_lm`` (micro-batches of 8 sequences, AdamW,
+  ``CountTokens``, gradient clipping at 1.0 as in every setting): a step's fixed part is cheap next to a
+  micro-batch's forward and backward.
+* ``b``: 2 gloo DDP ranks (forked), a bag-of-tokens classifier with a wide embedding (``--vocab`` rows) over short
+  sequences: every step all-reduces and updates the whole dense embedding gradient, so the step's fixed part is at
+  least as long as a micro-batch's forward and backward.
+
+Each runs fixed ``k`` in {1, 2, 4, 8, 16}, a ``BatchSizeRamp`` with ``lr_scaling="sqrt"``, ``AdaptiveBatchSize()``
+(``AccumulationScheduler(AdaptiveBatchSize())``, nothing set) and ``AdaptiveBatchSize(objective="noise_scale")``,
+over the same samples (one epoch) from the same weights, for each seed. Every run reports the held-out loss at equal
+samples (the end of the epoch) and, against a target loss fixed in `TARGETS` before the runs, the training time
+(held-out probes excluded) and the optimizer steps to reach it. Prints a markdown table (medians over seeds) and
+writes ``results.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from examples.char_lm.data import IGNORE_INDEX, CharLMDataModule, collate_padded
+from examples.char_lm.model import CharLM
+from lightning_accum import AccumulationScheduler
+from lightning_accum.items import CountTokens
+from lightning_accum.schedules import AdaptiveBatchSize, BatchSizeRamp
+
+FIXED_K = (1, 2, 4, 8, 16)
+USED_IDS = 64  # the token ids setting b's data uses, of its `--vocab` embedding rows
+TARGETS = {"a": 2.75, "b": 1.4}
+"""The held-out loss each setting's runs race to, fixed before the runs reported in docs/noise-scale.md from a pilot
+(the same benchmark without gradient clipping, run variant by variant): about where the good runs end."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the held-out probe: loss at points of equal samples, the clock without the probes
+# ----------------------------------------------------------------------------------------------------------------
+class Probe(pl.Callback):
+    """The held-out loss every ``every`` samples (after the step that crosses it), with the training time so far.
+
+    The time excludes the probes themselves. Under DDP every rank evaluates, and rank 0 writes what it saw to ``file``
+    at the end (the ranks run in forked processes: the callback the caller holds sees none of it).
+    """
+
+    def __init__(self, loss: Callable[[pl.LightningModule], float], every: int, world_size: int, file: Path) -> None:
+        self.loss, self.every, self.world_size, self.file = loss, every, world_size, file
+        self.points: list[tuple[int, int, float, float]] = []  # (samples, steps, seconds, held-out loss)
+        self.samples, self._next, self._steps = 0, every, 0
+        self._start, self._paused = 0.0, 0.0
+
+    def _record(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        pause = time.perf_counter()
+        loss = self.loss(module)
+        seconds = pause - self._start - self._paused
+        self.points.append((self.samples, trainer.global_step, seconds, loss))
+        self._paused += time.perf_counter() - pause
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._record(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += _batch_size(batch) * self.world_size
+        stepped, self._steps = trainer.global_step != self._steps, trainer.global_step
+        if stepped and self.samples >= self._next:
+            self._record(trainer, pl_module)
+            while self._next <= self.samples:
+                self._next += self.every
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.points[-1][0] != self.samples:
+            self._record(trainer, pl_module)
+        if trainer.global_rank == 0:
+            owner = next(cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler))  # type: ignore[attr-defined]
+            ks = (
+                [owner.engine.schedule.k]
+                if not owner.events
+                else [owner.events[0].before, *(e.after for e in owner.events)]
+            )
+            self.file.write_text(json.dumps({"points": self.points, "steps": trainer.global_step, "k": ks}))
+
+
+def _batch_size(batch: Any) -> int:
+    return int((batch["labels"] if isinstance(batch, dict) else batch[0]).shape[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setting a: the char LM, one process
+# ----------------------------------------------------------------------------------------------------------------
+def char_lm_setting(args: argparse.Namespace) -> dict[str, Any]:
+    n_train, n_val = (512, 128) if args.quick else (4096, 256)
+    dm = CharLMDataModule(
+        batch_size=8, min_length=16, max_length=48, val_fraction=(n_val + 0.5) / (n_train + n_val),
+        max_sequences=n_train + n_val, seed=0,
+    )  # fmt: skip
+    dm.setup("fit")
+    val = collate_padded(dm.val_set.sequences)  # type: ignore[union-attr]
+
+    def held_out(module: pl.LightningModule) -> float:
+        module.eval()
+        with torch.no_grad():
+            logits = module(val["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), val["labels"].flatten(), ignore_index=IGNORE_INDEX)
+        module.train()
+        return float(loss)
+
+    def build(seed: int) -> pl.LightningModule:
+        pl.seed_everything(seed, verbose=False)
+        return CharLM(max_length=48, d_model=64, n_layers=2, n_heads=4, lr=3e-3)
+
+    def loader(seed: int) -> DataLoader[Any]:
+        dm.seed = seed  # the training shuffle follows the seed; the split does not
+        return dm.train_dataloader()
+
+    return {
+        "name": "a: char LM, 1 process",
+        "build": build,
+        "loader": loader,
+        "held_out": held_out,
+        "count_items": CountTokens(key="labels"),
+        "micro_batch": 8,
+        "world_size": 1,
+        "samples": n_train,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# setting b: a wide embedding on 2 gloo DDP ranks
+# ----------------------------------------------------------------------------------------------------------------
+class BagOfTokens(Dataset[dict[str, Tensor]]):
+    """Short sequences of the first ``used`` token ids, labelled by a fixed random teacher over their mean (10 classes).
+
+    The model's table has many more rows than the data uses (a large vocabulary, most of it rare): each step's dense
+    embedding gradient is all-reduced and updated whole, while the data stays learnable from a few thousand samples.
+    """
+
+    def __init__(self, n: int, used: int, length: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, used, (n, length), generator=g)
+        teacher = torch.randn(used, 10, generator=torch.Generator().manual_seed(1234))
+        logits = teacher[self.tokens].mean(1) * 6.0
+        self.labels = torch.distributions.Categorical(logits=logits).sample()  # a noisy teacher: a real noise scale
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"tokens": self.tokens[i], "labels": self.labels[i]}
+
+
+class WideEmbedding(pl.LightningModule):
+    def __init__(self, vocab: int, dim: int = 64, lr: float = 3e-2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, 10)
+        self.lr = lr
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.embedding(tokens).mean(1))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return F.cross_entropy(self(batch["tokens"]), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def wide_embedding_setting(args: argparse.Namespace) -> dict[str, Any]:
+    n_train = 1024 if args.quick else 8192
+    train, val = BagOfTokens(n_train, USED_IDS, 8, seed=0), BagOfTokens(1024, USED_IDS, 8, seed=1)
+
+    def held_out(module: pl.LightningModule) -> float:
+        module.eval()
+        with torch.no_grad():
+            loss = F.cross_entropy(module(val.tokens), val.labels)
+        module.train()
+        return float(loss)
+
+    def build(seed: int) -> pl.LightningModule:
+        pl.seed_everything(seed, verbose=False)
+        return WideEmbedding(args.vocab)
+
+    def loader(seed: int) -> DataLoader[Any]:
+        return DataLoader(train, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+    return {
+        "name": f"b: wide embedding ({args.vocab} x 64), 2 DDP ranks",
+        "build": build,
+        "loader": loader,
+        "held_out": held_out,
+        "count_items": None,
+        "micro_batch": 8,
+        "world_size": 2,
+        "samples": n_train,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one run, the variants, the table
+# ----------------------------------------------------------------------------------------------------------------
+def variants(setting: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    per_micro_step = setting["micro_batch"] * setting["world_size"]
+    ramp_samples = setting["samples"] // 2
+    found: dict[str, Callable[[], Any]] = {f"k={k}": (lambda k=k: k) for k in FIXED_K}
+    found["ramp 1 -> 16, sqrt LR"] = lambda: BatchSizeRamp(
+        per_micro_step, 16 * per_micro_step, per_micro_step * 3, ramp_samples, lr_scaling="sqrt"
+    )
+    found["AdaptiveBatchSize()"] = AdaptiveBatchSize
+    found["AdaptiveBatchSize(objective='noise_scale')"] = lambda: AdaptiveBatchSize(objective="noise_scale")
+    return found
+
+
+def run(setting: dict[str, Any], schedule: Any, seed: int, out: Path) -> dict[str, Any]:
+    world = setting["world_size"]
+    file = out / "run.json"
+    file.unlink(missing_ok=True)
+    probe = Probe(setting["held_out"], every=max(64, setting["samples"] // 16), world_size=world, file=file)
+    strategy: Any = "auto" if world == 1 else DDPStrategy(start_method="fork", process_group_backend="gloo")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+        callbacks=[AccumulationScheduler(schedule, count_items=setting["count_items"]), probe],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out,
+    )  # fmt: skip
+    model = setting["build"](seed)
+    start = time.perf_counter()
+    trainer.fit(model, setting["loader"](seed))
+    result: dict[str, Any] = json.loads(file.read_text())
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def reach(points: Sequence[tuple[int, int, float, float]], target: float) -> tuple[float, float]:
+    """The training seconds and optimizer steps at the first probe at or below ``target`` (nan: never)."""
+    for _, steps, seconds, loss in points:
+        if loss <= target:
+            return seconds, float(steps)
+    return math.nan, math.nan
+
+
+def table(name: str, results: dict[str, list[dict[str, Any]]], target: float) -> str:
+    lines = [
+        f"**{name}**, target held-out loss {target} (median of {len(next(iter(results.values())))} seeds)",
+        "",
+        "| run | held-out loss at equal samples | time to target (s) | steps to target | train time (s) | k |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for variant, runs in results.items():
+        final = statistics.median(r["points"][-1][3] for r in runs)
+        hits = [reach(r["points"], target) for r in runs]
+        seconds = _median_or_never([h[0] for h in hits])
+        steps = _median_or_never([h[1] for h in hits])
+        train = statistics.median(r["points"][-1][2] for r in runs)
+        paths = "; ".join(" → ".join(str(k) for k in r["k"]) for r in runs)  # each seed's path of k
+        lines.append(f"| {variant} | {final:.3f} | {seconds} | {steps} | {train:.1f} | {paths} |")
+    return "\n".join(lines)
+
+
+def _median_or_never(values: Sequence[float]) -> str:
+    """The median, or how many seeds never reached the target."""
+    reached = [v for v in values if math.isfinite(v)]
+    if len(reached) < len(values):
+        return f"{len(values) - len(reached)} of {len(values)} never"
+    return f"{statistics.median(reached):.3g}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer samples and one seed: a smoke run in a minute")
+    parser.add_argument("--settings", default="a,b", help="which settings to run: a, b or a,b")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--vocab", type=int, default=32768, help="setting b's embedding rows (the data uses 64)")
+    parser.add_argument("--out", default="/tmp/lightning_accum_batch_schedule")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")][:1] if args.quick else [int(s) for s in args.seeds.split(",")]
+    builders = {"a": char_lm_setting, "b": wide_embedding_setting}
+    report: dict[str, Any] = {}
+    for key in args.settings.split(","):
+        setting = builders[key](args)
+        results: dict[str, list[dict[str, Any]]] = {}
+        # Seed by seed, every variant in turn: a machine whose load drifts slows every variant alike.
+        for seed in seeds:
+            for variant, make in variants(setting).items():
+                result = run(setting, make(), seed, out)
+                results.setdefault(variant, []).append(result)
+                print(
+                    f"{key} {variant} seed {seed}: {result['points'][-1][3]:.3f}, {result['seconds']:.1f} s", flush=True
+                )
+        text = table(setting["name"], results, TARGETS[key])
+        print(text, flush=True)
+        report[key] = {"name": setting["name"], "target": TARGETS[key], "results": results, "table": text}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
