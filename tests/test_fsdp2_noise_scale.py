@@ -61,8 +61,10 @@ def _worker(rank: int, port: int, out_dir: str, mode: str) -> None:
     _, strategy = start_worker(rank, port)
     if mode == "ddp":  # the same run under DDP, which Lightning also starts from torchrun's variables
         strategy = h.ddp_strategy(start_method="popen")
-    if mode in ("fsdp2", "ddp"):
+    if mode in ("fsdp2", "ddp", "fsdp2-goodput"):
         schedule = AdaptiveBatchSize(2, 8, objective="noise_scale", warmup_windows=2, beta=0.5, factor=8.0)
+        if mode == "fsdp2-goodput":  # the default objective: each rank's own clock, one decision
+            schedule = AdaptiveBatchSize(2, 8, warmup_windows=2, beta=0.5, max_growth=None)
         callbacks: list[pl.Callback] = [AccumulationScheduler(schedule, count_items=h.count_tokens)]
         model, dataset, batch_size, epochs = ShardedTokenModel(), h.TokenDataset(WINDOW_SAMPLES), MICRO, 2
     else:
@@ -147,6 +149,17 @@ def test_window_mode_measures_every_window_exactly_and_k_adapts(tmp_path, strate
     windows = [r["step_indices"] for r in ranks]
     expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, LR, ShardedTokenModel())
     assert_noise_close(noise, expected)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_the_goodput_objective_under_fsdp2_agrees_on_k_and_every_window_is_measured_exactly(tmp_path):
+    # Issue 39: the ranks time their own steps; the timings ride in the window's all-reduce, so they decide alike.
+    ranks = run(tmp_path, "fsdp2-goodput")
+    assert ranks[1]["micro_batches"] == ranks[0]["micro_batches"] and ranks[1]["noise"] == ranks[0]["noise"]
+    windows = [r["step_indices"] for r in ranks]
+    expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, LR, ShardedTokenModel())
+    assert_noise_close(ranks[0]["noise"], expected)
 
 
 @pytest.mark.ddp
