@@ -208,7 +208,10 @@ def test_noise_metrics_divide_the_two_estimates():
 
 
 def test_logging_metrics_are_the_hand_worked_figures():
-    last = report(micro_batch_size=4, accumulation_steps=3, effective_batch_size=24, items=100.0, oom_retries=2)
+    last = report(
+        micro_batch_size=4, accumulation_steps=3, effective_batch_size=24, items=100.0, oom_retries=2,
+        consumed_items=300.0, target_accumulation_steps=3.0,
+    )  # fmt: skip
     metrics = logging_metrics(
         last, samples=72, items=300.0, window_loss=0.25, seconds=1.5,
         memory=MemoryReading(3 * GIB, 5 * GIB, 12 * GIB), budget_bytes=6 * GIB,
@@ -227,6 +230,9 @@ def test_logging_metrics_are_the_hand_worked_figures():
         keys.ITEMS_PER_SEC: 300.0 / 1.5,
         keys.WINDOW_LOSS: 0.25,
         keys.PEAK_RESERVED_GIB: 5.0,
+        keys.SAMPLES_SEEN: 8.0,  # the report's consumed samples, all ranks, since the start of training
+        keys.ITEMS_SEEN: 300.0,
+        keys.TARGET_ACCUMULATION_STEPS: 3.0,
     }
 
 

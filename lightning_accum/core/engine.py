@@ -7,7 +7,8 @@ A front end turns its framework's hooks into calls on `AccumulationEngine`, in t
 2. for each micro-batch, `AccumulationEngine.count` and `AccumulationEngine.add` (its loss weight), and after the
    first micro-batch's backward `AccumulationEngine.capture_first_gradient` (the gradient noise scale's small batch);
 3. at the optimizer step, `AccumulationEngine.close_window`: the exact window mean, the noise scale, the consumed
-   samples, and what an adaptive schedule learns from them.
+   samples and items, and what an adaptive schedule learns from them (with the goodput objective, the step's timings,
+   taken at each `AccumulationEngine.add` and summed over ranks in the window's all-reduce).
 
 The front ends are `lightning_accum.AccumulationScheduler` (Lightning's own loop decides the windows),
 `lightning_accum.AutoMicroBatching` (split mode: the callback cuts each step batch) and
@@ -451,6 +452,7 @@ class AccumulationEngine:
         self.consumed_samples = int(state.get("consumed_samples", 0))
         # A checkpoint from before items were counted: its samples are the best count there is.
         self.consumed_items = float(state.get("consumed_items", self.consumed_samples))
+        self.clock.restart()  # the time up to the resumed run's first micro-batch is no step's
         self.normalizer.load_state_dict(state.get("normalizer", {}))
         self.noise.load_state_dict(state.get("noise_meter", {}))
         self.schedule.load_state_dict(state)
