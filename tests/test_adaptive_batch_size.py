@@ -132,7 +132,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["main.py"])
     schedule = {
         "class_path": "lightning_accum.schedules.AdaptiveBatchSize",
-        "init_args": {"max_accumulation_steps": 16},
+        "init_args": {"max_accumulation_steps": 16, "objective": "noise_scale", "factor": 2.0},
     }
     callback = {"class_path": "lightning_accum.AccumulationScheduler", "init_args": {"schedule": schedule}}
     config = tmp_path / "adaptive.yaml"
@@ -140,6 +140,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
     cli = build(tmp_path, f"--config={config}")
     (scheduler,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationScheduler)]
     assert isinstance(scheduler.schedule, AdaptiveBatchSize) and scheduler.schedule.max_k == 16
+    assert (scheduler.schedule.objective, scheduler.schedule.factor) == ("noise_scale", 2.0)
 
 
 @pytest.mark.parametrize(

@@ -446,6 +446,8 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "min_accumulation_steps": _bad(ADAPTIVE, "schedule.min_accumulation_steps=1", ">= 2, got 1"),
     "max_accumulation_steps": _bad(ADAPTIVE, "schedule.max_accumulation_steps=0", ">= 1, got 0"),
     "factor": _bad(ADAPTIVE, "schedule.factor=0", "> 0, got 0"),
+    "objective": _bad(ADAPTIVE, "schedule.objective=fastest", "fastest"),
+    "min_gain": _bad(ADAPTIVE, "schedule.min_gain=-1", ">= 0, got -1"),
     "warmup_windows": _bad(ADAPTIVE, "schedule.warmup_windows=-1", ">= 0, got -1"),
     "hysteresis": _bad(ADAPTIVE, "schedule.hysteresis=-0.5", ">= 0, got -0.5"),
     "max_growth": _bad(ADAPTIVE, "schedule.max_growth=1", "> 1, got 1"),
