@@ -154,7 +154,8 @@ class FitSummary:
                 " waited at the sync" + (_BALANCE_HINT if mean >= WORTH_BALANCING else "")
             )
         if self.peak_fraction is not None:
-            parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}")
+            over = self.memory_limit == "budget" and self.peak_fraction > 1
+            parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}" + (_OVER if over else ""))
         if self.seconds > 0:
             parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
         return "; ".join(parts) + "."
@@ -172,6 +173,12 @@ class FitSummary:
             parts.append(f"padding {mean:.0%} of the token positions computed (mean over steps)")
         return parts
 
+
+_OVER = (
+    ", OVER the budget: the part of the peak that no micro-batch changes (the process, the weights, the optimizer"
+    " state, on the CPU the resident set's noise) does not leave it room; the planner's warning said where it stopped"
+    " shrinking. Raise `max_memory` above the peak, or lower that part (a sharded strategy, a smaller optimizer state)"
+)
 
 # From here the ranks wait for the slowest long enough to be worth a sampler that deals them equal costs (measured on
 # the HF example: 1.07x without it, 1.01x with it).

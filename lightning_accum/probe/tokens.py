@@ -86,10 +86,8 @@ def probe_tokens(
         fit_micro_batch_sizes: the sequences per micro-batch ``n``, each at most ``batch_size`` (``B/8, B/4, B/2``).
         steps: measured optimizer steps per shape.
         process_overhead: on the CPU with a budget, what a training process holds beyond the probe's own before any
-            tensor, kept free of the budget: ``"measure"`` (default) runs a tiny model in two fresh processes, under a
-            Trainer with its loggers and by hand (`lightning_accum.probe.training_process`, a few seconds once per
-            process); a number of bytes gives it; ``None`` or ``0`` keeps nothing. Elsewhere (live tensors are the
-            measure) it is not used.
+            tensor, kept free of the budget: ``"measure"`` (default; `lightning_accum.probe.training_process`, a few
+            seconds once per process), a number of bytes, or ``None``/``0`` to keep nothing. Unused on live tensors.
 
     Keyword Args:
         warmup_steps: unmeasured steps before them (default 1; the first creates optimizer state).
@@ -111,10 +109,7 @@ def probe_tokens(
     run = RunOptions.of("probe_tokens", options)
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
-    if process_overhead != "measure" and process_overhead is not None:
-        process_overhead = check_int(
-            process_overhead, "process_overhead", 0, hint='Or "measure" to measure it, or None to keep nothing.'
-        )
+    process_overhead = _check_process_overhead(process_overhead)
     sequences = _check_sequences(sequences)
     setup = measure._checked_setup(module, run)
     make_batch = batch_factory(data, run.data_init_args, batch_size)
@@ -232,6 +227,14 @@ def _fit(result: TokenProbeResult) -> TokenProbeResult:
         fixed, per_token = _line([(t, points[(t, n)]) for t, n in fitted])
         result.tokens_only_holdout_error = relative_error(lambda t, n: fixed + per_token * t, truth)
     return result
+
+
+def _check_process_overhead(overhead: object) -> int | Literal["measure"] | None:
+    if overhead is None:
+        return None
+    if overhead == "measure":
+        return "measure"
+    return check_int(overhead, "process_overhead", 0, hint='Or "measure" to measure it, or None to keep nothing.')
 
 
 def _keep_for_training_process(result: TokenProbeResult, overhead: int | str | None) -> TokenProbeResult:

@@ -21,6 +21,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 _TIMEOUT_SECONDS = 180
 
@@ -95,64 +100,69 @@ def _run_child(mode: str, work_dir: str) -> None:  # pragma: no cover - runs in 
     import warnings
 
     import torch
-    from torch import nn
-    from torch.utils.data import DataLoader
 
-    import lightning_accum.probe.tokens  # noqa: F401 - the probe's own process has it imported
+    import lightning_accum.probe.measure  # noqa: F401 - the probe's own process has it imported
     from lightning_accum.memory.host import proc_kib
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    data = torch.randn(64, 8)
-
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8))
     if mode == "by_hand":
-        model = nn.Linear(8, 1)
-        optimizer = torch.optim.AdamW(model.parameters())
-        for batch in DataLoader(data, batch_size=8):
-            model(batch).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _step_by_hand(data)
     else:
-        import lightning.pytorch as pl
-        from lightning.pytorch.loggers import CSVLogger, Logger
-
-        from lightning_accum import AccumulationMonitor, AutoMicroBatching
-
-        class Tiny(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.layer = nn.Linear(8, 1)
-
-            def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-                loss = self.layer(batch).pow(2).mean()
-                self.log("train/loss", loss)
-                return loss
-
-            def configure_optimizers(self) -> torch.optim.Optimizer:
-                return torch.optim.AdamW(self.parameters())
-
-        loggers: list[Logger] = [CSVLogger(work_dir, name="csv")]
-        if mode == "trainer_wandb":
-            from lightning.pytorch.loggers import WandbLogger
-
-            loggers.append(WandbLogger(save_dir=work_dir, offline=True))
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=4,
-            logger=loggers,
-            callbacks=[AccumulationMonitor(summary=False), AutoMicroBatching(max_memory=1 << 40)],
-            enable_checkpointing=False,
-            default_root_dir=work_dir,
-            log_every_n_steps=1,
-        )
-        trainer.fit(Tiny(), DataLoader(data, batch_size=16))
+        _train_under_a_trainer(data, work_dir, wandb=mode == "trainer_wandb")
     peak = proc_kib("/proc/self/status", "VmHWM")
     print(f"peak_resident_bytes={0 if peak is None else peak * 1024}", flush=True)
     if mode == "trainer_wandb":
         import wandb
 
         wandb.finish()
+
+
+def _step_by_hand(data: Dataset[Any]) -> None:  # pragma: no cover - runs in the child process
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for (batch,) in DataLoader(data, batch_size=8):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _train_under_a_trainer(data: Dataset[Any], work_dir: str, wandb: bool) -> None:  # pragma: no cover - child
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from lightning_accum import AccumulationMonitor, AutoMicroBatching
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.layer(batch[0]).pow(2).mean()
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    loggers: list[Logger] = [CSVLogger(work_dir, name="csv")]
+    if wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(save_dir=work_dir, offline=True))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=loggers,
+        callbacks=[AccumulationMonitor(summary=False), AutoMicroBatching(max_memory=1 << 40)],
+        enable_checkpointing=False,
+        default_root_dir=work_dir,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Tiny(), DataLoader(data, batch_size=16))
 
 
 if __name__ == "__main__":  # pragma: no cover - the child process

@@ -40,7 +40,8 @@ def _data(seq_len: int = 64):
 
 def _on_top_of_the_process(result):
     """``result`` with a budget of 1 MiB of tensors beyond what a training process's resident set holds without them."""
-    return dataclasses.replace(result, budget_bytes=MiB + result.resident_overhead_bytes + result.process_overhead_bytes)
+    kept = result.resident_overhead_bytes + result.process_overhead_bytes
+    return dataclasses.replace(result, budget_bytes=MiB + kept)
 
 
 @pytest.fixture(scope="module")

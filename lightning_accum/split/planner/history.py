@@ -28,6 +28,18 @@ class PlannerHistory:
     # (the step's longest sequence) moves from step to step; the hold keeps the planner from shrinking, at the next
     # shorter step, below the floor it has just announced.
     held_at_floor: int | None = None
+    # Recent steps that peaked under the budget, as (size, longest sequence, peak): a peak over the budget at a size
+    # and length no larger than one of them did not come from the micro-batch (`PlannerHistory.fitted_above`).
+    fitted: list[tuple[int, int, float]] = field(default_factory=list)
+
+    def remember_fit(self, size: int, length: int, peak: float) -> None:
+        """A step of ``size`` at ``length`` peaked at ``peak``, under the budget; the 16 most recent are kept."""
+        kept = [shape for shape in self.fitted if shape[:2] != (size, length)][-15:]
+        self.fitted = [*kept, (size, length, peak)]
+
+    def fitted_above(self, size: int, length: int) -> tuple[int, int, float] | None:
+        """A remembered step at least as large as ``size`` at ``length`` that fitted the budget, or ``None``."""
+        return next((shape for shape in reversed(self.fitted) if shape[0] >= size and shape[1] >= length), None)
 
     def cool_down(self, size: int, until: int) -> None:
         self.failed[size] = max(self.failed.get(size, 0), until)
@@ -46,13 +58,14 @@ class PlannerHistory:
             "last_size": self.last_size,
             "shrink_start": None if self.shrink_start is None else list(self.shrink_start),
             "held_at_floor": self.held_at_floor,
+            "fitted": [list(shape) for shape in self.fitted],
         }
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> PlannerHistory:
         """Missing keys keep their defaults, so older checkpoints still load (issue 19 added ``shrink_start``).
 
-        ``held_at_floor`` came with issue 25.
+        ``held_at_floor`` came with issue 25, ``fitted`` with issue 36.
         """
         shrink_start = state.get("shrink_start")
         return cls(
@@ -63,6 +76,7 @@ class PlannerHistory:
             last_size=optional(int, state.get("last_size")),
             shrink_start=None if shrink_start is None else (int(shrink_start[0]), float(shrink_start[1])),
             held_at_floor=optional(int, state.get("held_at_floor")),
+            fitted=[(int(size), int(length), float(peak)) for size, length, peak in state.get("fitted", [])],
         )
 
 
