@@ -53,10 +53,11 @@ def why_not_shrink(
 ) -> str | None:
     """Why a peak over the budget is no reason to shrink ``size``, or ``None``: shrink.
 
-    As large a step fitted (the peak moves by more than the micro-batch moves it); or the smallest size was said to be
+    As large a step fitted, and the peak is within the measure's noise of its (the peak moves by more than the
+    micro-batch moves it); or the smallest size was said to be
     over the budget already; or the shrinks so far hardly lowered the peak (`out_of_reach`, which may hold the floor).
     """
-    fitted = None if settings.pin_micro_batch_size else history.fitted_above(size, unit.length())
+    fitted = None if settings.pin_micro_batch_size else history.fitted_within_noise(size, unit.length(), peak)
     if fitted is not None:
         return noisy_peak(size, peak, budget, unit, fitted)
     if history.held_at_floor is not None:

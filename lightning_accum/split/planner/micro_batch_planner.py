@@ -273,7 +273,7 @@ class MicroBatchPlanner:
             self._limit = size
         self._observe(size, peak)
         history = self._history
-        history.last_peak, history.last_size = peak, size
+        history.remember_step(size, peak)
         history.retry_streak = history.retry_streak + 1 if retries > 0 else 0
         budget = self.budget_bytes
         settings = self.settings
