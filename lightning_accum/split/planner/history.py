@@ -52,8 +52,8 @@ class PlannerHistory:
     def fitted_within_noise(self, size: int, length: int, peak: float) -> tuple[int, int, float] | None:
         """A remembered step as large as ``size`` at ``length`` that fitted, with ``peak`` within the noise of its.
 
-        The noise is the largest swing between steps of one size. Such a peak over the budget did not come from the micro-batch. One further off did (a new phase of training
-        that holds more: a shrink makes room for it).
+        The noise is the largest swing between steps of one size. Such a peak over the budget did not come from the
+        micro-batch. One further off did (a new phase of training that holds more: a shrink makes room for it).
         """
         noise = max(self.swings, default=0.0)
         return next(
