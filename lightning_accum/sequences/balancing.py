@@ -37,7 +37,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from lightning_accum.sequences.priced_share import PricedShare, new_shares
+from lightning_accum.sequences.priced_share import new_shares
+from lightning_accum.sequences.share_prices import share_prices
 from lightning_accum.sequences.token_cut import cut_groups
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
@@ -55,9 +56,9 @@ KARMARKAR_KARP_MAX = 1 << 16
 """``"best"`` runs Karmarkar-Karp only when samples x parts is at most this (4096 samples on 512 ranks took 6.7 s on
 this machine's CPU; greedy 0.01 s), greedy alone above it."""
 
-CANDIDATES = 4
-"""`refine`'s rounds price this many candidate moves a pair (those whose lengths shift nearest half the pair's
-difference), of the heavy rank's samples moved to its partner or swapped for a shorter one of theirs."""
+SWAPS = 3
+"""`refine` tries, for each sample of a heavy rank, the swaps with this many of its partner's (the nearest in length
+to what would meet in the middle)."""
 
 ROUNDS = 16
 """`refine` makes at most this many rounds of moves (each pairs every rank over the mean with a light one)."""
@@ -68,11 +69,13 @@ CLOSE_ENOUGH = 1.01
 PARTNERS = 8
 """`_relieve_the_slowest` tries moves from the slowest rank to this many of the lightest."""
 
-RELIEF_CANDIDATES = 16
-"""`_relieve_the_slowest` prices this many candidate moves against each partner."""
-
 RELIEF_MOVES = 64
-"""`_relieve_the_slowest` makes at most this many moves (it stops sooner, at `CLOSE_ENOUGH`)."""
+"""`_relieve_the_slowest` makes at most this many moves (a bound on its time: a move is some 10 ms on 512 ranks; it
+stops sooner, at `CLOSE_ENOUGH`)."""
+
+BATCHED_FROM = 256
+"""`refine` prices this many new shares or more in one batch (`share_prices`), fewer one by one: a batch costs 1.4-5 ms
+whatever its size here; 256 shares of 8 took 3.7 ms batched, 4.6 ms one by one (512: 4.4 and 8.4; 8: 2.6 and 0.12)."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -246,56 +249,52 @@ def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: Step
     When ``cost`` knows the passes: `greedy_by_price` (longest first to the rank whose share, priced by its real cut,
     is cheapest), then `refine`. Otherwise `partition` by each sample's tokens with ``method``. Each part ascending;
     every part holds a sample when there are at least ``parts``.
+
+    Started from the deal by tokens instead, the refinement stops short where whole passes must move between ranks:
+    on the rank-balance benchmark's lengths at 8 sequences per rank, 1.053 of the mean on 64 ranks and 1.115 on 512,
+    against 1.019 and 1.019 from the priced greedy deal after the rounds (and 1.027 against 1.013 on 8 ranks); the
+    slowest rank relieved after them, 1.010-1.012 on 64 and 1.015-1.017 on 512 (a pass at 161 tokens).
     """
     cost = cost or StepCost()
     if not cost.knows_passes:
         return partition(sample_costs(lengths, cost.quadratic), parts, method)
-    shares = _greedy_shares(lengths, parts, cost)
-    _refine_shares(shares, cost)
-    return [sorted(share.members) for share in shares]
+    return refine(lengths, greedy_by_price(lengths, parts, cost), cost)
 
 
 def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[list[int]]:
     """Each sample, longest first, to the part whose share is cheapest by ``cost`` (its real cut): a pass counted.
 
     Deterministic: ties go to the lower part. Every part gets a sample before any gets a second (an empty share
-    costs nothing). Parts ascending.
+    costs nothing). Parts ascending. Each share is priced as it grows (`lightning_accum.sequences.priced_share`): a
+    sequence that joins it costs one step of the cut, not a new cut, at the same price to the bit.
 
     Example:
         >>> greedy_by_price([8, 8, 8, 8, 8, 8], 2, StepCost(micro_batch_tokens=16, pass_cost_tokens=8))
         [[0, 2, 4], [1, 3, 5]]
     """
-    return [sorted(share.members) for share in _greedy_shares(lengths, parts, cost)]
-
-
-def _greedy_shares(lengths: Sequence[int], parts: int, cost: StepCost) -> list[PricedShare]:
     if parts < 1:
         raise ValueError(f"`parts` must be at least 1, got {parts}.")
-    shares = _new_shares(parts, cost)
+    budget = int(cost.micro_batch_tokens or 0)
+    shares = new_shares(parts, budget, cost.pass_cost_tokens, cost.quadratic, cost._of_ordered)
     at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them
     cheapest = [(0.0, p) for p in range(parts)]  # a heap of (price of the share, part)
-    for i in sorted(range(len(lengths)), key=lambda i: (-at_least_one[i], i)):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         _, p = heapq.heappop(cheapest)
         share = shares[p]
-        share.append(i, at_least_one[i])  # the shortest yet: priced by one step of the cut, not a new cut
+        share.append(i, at_least_one[i])  # the shortest yet: one step of the cut from its prefix's, not a new cut
         heapq.heappush(cheapest, (share.price, p))
-    return shares
-
-
-def _new_shares(parts: int, cost: StepCost) -> list[PricedShare]:
-    budget = int(cost.micro_batch_tokens or 0)
-    return new_shares(parts, budget, cost.pass_cost_tokens, cost.quadratic, cost._of_ordered)
+    return [sorted(share.members) for share in shares]
 
 
 def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost) -> list[list[int]]:
     """``deal`` improved by moves and swaps of samples between heavy and light ranks, each priced by its real cut.
 
-    Each round pairs the ranks over `CLOSE_ENOUGH` times the mean, heaviest first, with the lightest, lightest first;
-    for each pair, of the moves of one of the heavy rank's samples to its partner and the swaps for a shorter one of
-    theirs, the `CANDIDATES` whose lengths shift nearest half the pair's difference are priced by their real cut, and
-    the one that leaves the pair's dearer share cheapest is made, where it is cheaper than the heavy share was. Rounds
-    go on while a move is made, for at most `ROUNDS`; then the slowest rank alone is relieved, one move at a time,
-    against its `PARTNERS` lightest, for at most `RELIEF_MOVES`.
+    Each round pairs the ranks over `CLOSE_ENOUGH` times the mean (by `StepCost.of` on their share), heaviest first,
+    with the lightest ranks, lightest first; where a heavy rank can be made cheaper by giving one of its samples to
+    its partner, or trading one for a shorter one of theirs (the `SWAPS` nearest in length to meeting in the middle),
+    without the partner going over the heavy rank's cost before, the move that leaves the pair's dearer share
+    cheapest is made. Rounds go on while a move is made, for at most `ROUNDS`. Then the slowest rank alone is relieved,
+    one move at a time, while it stands over `CLOSE_ENOUGH` times the mean (`_relieve_the_slowest`).
 
     A deal by tokens balances the tokens, not the passes: a rank whose share cuts into one more micro-batch pays one
     more pass's fixed cost, and its padding depends on which lengths share a micro-batch. Pricing each candidate by
@@ -309,62 +308,100 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
     """
     if cost.micro_batch_tokens is None:
         return [sorted(part) for part in deal]
-    shares = _new_shares(len(deal), cost)
-    at_least_one = [max(1, int(n)) for n in lengths]
-    for share, part in zip(shares, deal, strict=True):
-        for i in sorted(part, key=lambda i: (-at_least_one[i], i)):
-            share.append(i, at_least_one[i])
-    _refine_shares(shares, cost)
-    return [sorted(share.members) for share in shares]
-
-
-def _refine_shares(shares: list[PricedShare], cost: StepCost) -> None:
-    prices = [share.price for share in shares]
+    price = _Prices(lengths, cost)
+    shares = [list(part) for part in deal]
+    loads = price.many(shares)
     for _ in range(ROUNDS):
         # Pair the ranks over the mean, heaviest first, with the lightest, lightest first: each pair one move a round.
-        mean = sum(prices) / len(prices)
-        by_price = sorted(range(len(shares)), key=lambda r: (-prices[r], r))
-        heavy = [r for r in by_price if prices[r] > CLOSE_ENOUGH * mean]
-        moved = False
-        for slow, light in zip(heavy, reversed(by_price[len(heavy) :]), strict=False):
-            move = _best_move(shares[slow], shares[light], prices[slow], prices[light], CANDIDATES)
+        mean = sum(loads) / len(loads)
+        by_load = sorted(range(len(shares)), key=lambda r: (-loads[r], r))
+        heavy = [r for r in by_load if loads[r] > CLOSE_ENOUGH * mean]
+        pairs = list(zip(heavy, reversed(by_load[len(heavy) :]), strict=False))
+        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for slow, light in pairs], price)
+        for (slow, light), move in zip(pairs, moves, strict=True):
             if move is not None:
-                prices[slow], prices[light] = _make(move, shares[slow], shares[light])
-                moved = True
-        if not moved:
+                shares[slow], shares[light] = move.mine, move.theirs
+                loads[slow], loads[light] = move.prices
+        if not any(moves):
             break
-    _relieve_the_slowest(shares, prices)
+    return _relieve_the_slowest(shares, loads, price)
 
 
-def _relieve_the_slowest(shares: list[PricedShare], prices: list[float]) -> None:
+def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Prices) -> list[list[int]]:
     """The slowest rank's share made cheaper, one move at a time, while it is over `CLOSE_ENOUGH` times the mean.
 
-    Each move is the best of `_best_move` between the slowest rank and each of the `PARTNERS` lightest (the one that
-    leaves the pair's dearer share cheapest); it stops when no move lowers the slowest rank, or after `RELIEF_MOVES`.
+    Each move is the best of `_best_moves` between the slowest rank and each of the `PARTNERS` lightest (the one that
+    leaves the pair's dearer share cheapest); it stops when no move lowers the slowest rank, or after
+    `RELIEF_MOVES` moves. `refine`'s rounds pair many ranks at once and stop while a few stand out;
+    this takes the few down (at 8 sequences a rank on the benchmark's lengths, 1.022-1.027 of the mean to
+    1.015-1.017 on 512 ranks, in under a second). ``shares`` and ``loads`` (their prices) are changed in place.
     """
     for _ in range(RELIEF_MOVES):
-        mean = sum(prices) / len(prices)
-        order = sorted(range(len(shares)), key=lambda r: (prices[r], r))
+        mean = sum(loads) / len(loads)
+        order = sorted(range(len(shares)), key=lambda r: (loads[r], r))
         slow = order[-1]
-        if prices[slow] <= CLOSE_ENOUGH * mean:
+        if loads[slow] <= CLOSE_ENOUGH * mean:
             break
+        partners = order[: min(PARTNERS, len(order) - 1)]  # never the slowest itself
+        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for light in partners], price)
         best: tuple[_Move, int] | None = None
-        for light in order[: min(PARTNERS, len(order) - 1)]:  # never the slowest itself
-            move = _best_move(shares[slow], shares[light], prices[slow], prices[light], RELIEF_CANDIDATES)
+        for move, light in zip(moves, partners, strict=True):
             if move is not None and (best is None or _after(move.prices) < _after(best[0].prices)):
                 best = (move, light)
         if best is None:
             break
         move, light = best
-        prices[slow], prices[light] = _make(move, shares[slow], shares[light])
+        shares[slow], shares[light] = move.mine, move.theirs
+        loads[slow], loads[light] = move.prices
+    return [sorted(part) for part in shares]
+
+
+class _Prices:
+    """``cost.of`` of shares (positions into ``lengths``), a round's at once, kept by their sorted lengths (retried)."""
+
+    def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
+        self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
+        self._at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them, normalized once
+
+    def key(self, part: Sequence[int]) -> tuple[int, ...]:
+        """What a share's price depends on: its lengths (at least 1 each), longest first."""
+        return tuple(sorted((self._at_least_one[i] for i in part), reverse=True))
+
+    def many(self, parts: Sequence[Sequence[int]]) -> list[float]:
+        return self.of_keys([self.key(part) for part in parts])
+
+    def of_keys(self, keys: Sequence[tuple[int, ...]]) -> list[float]:
+        unknown = list({key: None for key in keys if key not in self._known})
+        if len(unknown) < BATCHED_FROM:  # a batch's tensor work costs more than it saves (the same floats either way)
+            self._known.update((key, self._cost._of_ordered(key)) for key in unknown)
+        else:
+            prices = share_prices(
+                unknown,
+                budget=int(self._cost.micro_batch_tokens or 0),
+                pass_cost_tokens=self._cost.pass_cost_tokens,
+                quadratic=self._cost.quadratic,
+            )
+            self._known.update(zip(unknown, prices, strict=True))
+        return [self._known[key] for key in keys]
+
+    def exchanged(self, key: tuple[int, ...], out: int | None, into: int | None) -> tuple[int, ...]:
+        """``key`` with sample ``out``'s length taken out and ``into``'s put in, in order: a move's, unbuilt."""
+        rest = list(key)
+        if out is not None:
+            rest.remove(self._at_least_one[out])
+        if into is not None:
+            length, at = self._at_least_one[into], 0
+            while at < len(rest) and rest[at] >= length:
+                at += 1
+            rest.insert(at, length)
+        return tuple(rest)
 
 
 class _Move(NamedTuple):
-    """A move between two ranks' shares: the heavy one's sample out (a position), the light one's (or None) in its
-    place, and the two shares' prices after it."""
+    """Two ranks' shares after a move, and their prices."""
 
-    mine: int
-    theirs: int | None
+    mine: list[int]
+    theirs: list[int]
     prices: tuple[float, float]
 
 
@@ -373,43 +410,57 @@ def _after(prices: tuple[float, float]) -> tuple[float, float]:
     return max(prices), prices[0] + prices[1]
 
 
-def _best_move(mine: PricedShare, theirs: PricedShare, peak: float, their_price: float, count: int) -> _Move | None:
-    """The best move of one of ``mine``'s samples to ``theirs``, or swap for a shorter one of theirs; None if none
-    makes ``mine`` cheaper than ``peak``.
+_Pair = tuple[list[int], list[int], float, float]
+"""A heavy rank's share and a light one's, and their prices."""
 
-    Of the candidates (one a length on each side), the ``count`` whose lengths shift nearest half the pair's
-    difference are priced by their real cut, re-cut from the first position that changes.
+
+def _best_moves(pairs: Sequence[_Pair], price: _Prices) -> list[_Move | None]:
+    """For each pair, the best move between them, or None if no move makes the heavy rank cheaper.
+
+    The move of one of the heavy rank's samples to the light one, or swap for a shorter one of theirs, that leaves the
+    pair's dearer share cheapest (then their sum), if it is below the heavy rank's price. Every pair's candidates are
+    priced in one batch.
     """
-    target = (peak - their_price) / 2  # the tokens a move would shift to meet in the middle
-    ours, others = mine.lengths, theirs.lengths
-    candidates: list[tuple[float, int, int]] = []  # (how far from the target, mine's position, theirs' or -1)
-    for a, length in enumerate(ours):
-        if a and ours[a - 1] == length:
-            continue  # two samples of one length make the same candidates: the first of each
-        if len(ours) > 1:
-            candidates.append((abs(length - target), a, -1))
-        for b, shorter in enumerate(others):
-            if shorter < length and (b == 0 or others[b - 1] != shorter):
-                candidates.append((abs(length - shorter - target), a, b))
-    best: _Move | None = None
-    bar = peak * (1 - 1e-12)
-    for _, a, b in heapq.nsmallest(count, candidates):
-        left = mine.price_with(a, None if b < 0 else others[b])
-        if left >= bar or (best is not None and left >= best.prices[0] and left >= best.prices[1]):
+    lengths = price.lengths
+    candidates: list[tuple[int, int, int | None]] = []  # (pair, the heavy rank's sample, the light rank's or None)
+    keys: list[tuple[int, ...]] = []  # each candidate's heavy share's price key
+    light_keys: list[tuple[int, ...]] = []  # and its light share's
+    for k, (mine, theirs, peak, their_price) in enumerate(pairs):
+        target = (peak - their_price) / 2  # the tokens a move would shift to meet in the middle
+        others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
+        mine_key, theirs_key = price.key(mine), price.key(theirs)
+        for a in _one_per_length(mine, lengths):
+            # Of the swaps, the ones whose length difference is nearest the target: a few, not every pair.
+            near = sorted(others, key=lambda i: (abs(lengths[a] - lengths[i] - target), i))[:SWAPS]
+            for b in [None, *near]:
+                if (b is None and len(mine) < 2) or (b is not None and lengths[b] >= lengths[a]):
+                    continue  # the slow rank keeps a sample; a longer sample in its place cannot make it cheaper
+                candidates.append((k, a, b))
+                keys.append(price.exchanged(mine_key, a, b))
+                light_keys.append(price.exchanged(theirs_key, b, a))
+    prices = price.of_keys(keys + light_keys)
+    chosen: list[tuple[int, int | None, tuple[float, float]] | None] = [None] * len(pairs)
+    for (k, a, b), left_price, right_price in zip(candidates, prices[: len(keys)], prices[len(keys) :], strict=True):
+        after, best = _after((left_price, right_price)), chosen[k]
+        if after[0] < pairs[k][2] * (1 - 1e-12) and (best is None or after < _after(best[2])):
+            chosen[k] = (a, b, (left_price, right_price))
+    moves: list[_Move | None] = []
+    for (mine, theirs, _, _), best in zip(pairs, chosen, strict=True):
+        if best is None:
+            moves.append(None)
             continue
-        right = theirs.price_with(None if b < 0 else b, ours[a])
-        after = _after((left, right))
-        if after[0] < bar and (best is None or after < _after(best.prices)):
-            best = _Move(a, None if b < 0 else b, (left, right))
-    return best
+        a, b, pair_prices = best
+        left = [i for i in mine if i != a] + ([] if b is None else [b])
+        moves.append(_Move(left, [i for i in theirs if i != b] + [a], pair_prices))
+    return moves
 
 
-def _make(move: _Move, mine: PricedShare, theirs: PricedShare) -> tuple[float, float]:
-    out = (mine.members[move.mine], mine.lengths[move.mine])
-    back = None if move.theirs is None else (theirs.members[move.theirs], theirs.lengths[move.theirs])
-    mine.exchange(move.mine, back)
-    theirs.exchange(move.theirs, out)
-    return mine.price, theirs.price
+def _one_per_length(part: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    # Two samples of one length make the same candidates: try the first of each.
+    seen: dict[int, int] = {}
+    for i in part:
+        seen.setdefault(lengths[i], i)
+    return list(seen.values())
 
 
 def imbalance(costs: Sequence[float]) -> float:

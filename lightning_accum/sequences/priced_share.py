@@ -1,11 +1,12 @@
 """A rank's share priced by its cut as sequences join and leave it: `PricedShare`, the deal's ledger. Pure.
 
-`lightning_accum.sequences.balancing.deal` prices a share every time a sequence joins it (thousands a step on hundreds
-of ranks) and every candidate move of its last phase. Cut from scratch (`token_cut.cut_groups`, from the shortest
-sequence back) each price is a new shortest path over the whole share. Here the same shortest path runs the other way,
-from the longest sequence on: the cheapest cut of each prefix of the share (longest first) is kept, so a sequence
-that joins last (the deal hands them out longest first) costs one step over the window it can share a micro-batch
-with, and a share with one sequence taken out or put in is re-cut from that position on, its prefix reused.
+`lightning_accum.sequences.balancing.greedy_by_price` prices a share every time a sequence joins it (thousands a
+step on hundreds of ranks). Cut from scratch (`token_cut.cut_groups`, from the shortest sequence back) each price is a
+new shortest path over the whole share. Here the same shortest path runs the other way, from the longest sequence on:
+the cheapest cut of each prefix of the share (longest first) is kept, so a sequence that joins last (the deal hands
+them out longest first) costs one step over the window it can share a micro-batch with; a share with one sequence
+taken out or put in (`PricedShare.price_with`, `PricedShare.exchange`: what a move between ranks prices) is re-cut
+from that position on, its prefix reused.
 
 Both directions find a cheapest cut (the same cut cost, ``budget // MICRO_BATCH_COST`` per micro-batch plus its padded
 tokens). Where the cheapest cut is unique, they find the same cut, and the price (`StepCost.of`'s: a pass cost plus
@@ -69,8 +70,11 @@ class PricedShare:
         return at
 
     def price_with(self, out: int | None, into: int | None) -> float:
-        """The share's price with its sequence at position ``out`` taken out and a sequence of length ``into`` put
-        in (either may be ``None``), the share unchanged: re-cut from the first position that changes."""
+        """The share's price with one sequence out and one in, the share unchanged.
+
+        ``out`` is the position of the sequence taken out, ``into`` the length of one put in; either may be ``None``.
+        Re-cut from the first position that changes.
+        """
         lengths = list(self.lengths)
         first = len(lengths)
         if out is not None:
@@ -82,7 +86,8 @@ class PricedShare:
                 at += 1
             lengths.insert(at, into)
             first = min(first, at)
-        cut, price, unique, low = (kept[: first + 1] for kept in (self._cut, self._price, self._unique, self._low))
+        keep = first + 1
+        cut, price, unique, low = self._cut[:keep], self._price[:keep], self._unique[:keep], self._low[:keep]
         self._rule.extend(lengths, cut, price, unique, low, first)
         return price[-1] if unique[-1] else self._exact(lengths)
 
@@ -115,9 +120,10 @@ class _CutRule:
     def extend(
         self, lengths: list[int], cut: list[int], price: list[float], unique: list[bool], low: list[int], first: int
     ) -> None:
-        """Append to ``cut``, ``price``, ``unique`` and ``low`` (each known for the prefixes of up to ``first``
-        lengths) the entries of the longer prefixes, up to the whole of ``lengths``: the cheapest last micro-batch of
-        each, within the budget.
+        """Extend the prefixes' entries (known up to ``first`` lengths) to the whole of ``lengths``.
+
+        For each longer prefix: the cheapest cut's cost (``cut``), its price, whether it is the only cheapest, and the
+        first start of its cheapest last micro-batch (``low``), within the budget.
 
         The cut's cost satisfies the quadrangle inequality (lengths longest first), so no start before ``low`` of the
         prefix one shorter (the first of its cheapest last starts) is as cheap: the scan stops there, ties included.
@@ -147,7 +153,9 @@ class _CutRule:
             low.append(floor)
 
 
-def new_shares(parts: int, budget: int, pass_cost: float, quadratic: float | None, exact: Callable[[Sequence[int]], float]) -> list[PricedShare]:
+def new_shares(
+    parts: int, budget: int, pass_cost: float, quadratic: float | None, exact: Callable[[Sequence[int]], float]
+) -> list[PricedShare]:
     """``parts`` empty shares, priced by one rule."""
     rule = _CutRule(budget, pass_cost, quadratic)
     return [PricedShare(rule, exact) for _ in range(parts)]
