@@ -128,6 +128,7 @@ class SplitSession:
         self._warned_sample_count = False
         self._price: StepCost | None = None  # the balanced sampler's, where one deals the steps
         self._budget_given = (micro_batch_tokens, settings.pin_micro_batch_size)  # to check the sampler's against
+        self._dealt = False  # whether a `BalancedBatchSampler` deals the ranks (by a price the compute can belie)
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -188,7 +189,7 @@ class SplitSession:
         refuse_ranks_that_deal_apart(loaders, world_size)
         samplers = balanced_samplers(loaders)
         if samplers:
-            self._price = samplers[0].step_cost
+            self._price, self._dealt = samplers[0].step_cost, True
             if self.runner is not None:
                 self.runner.price = self._price
             if self.sequences is not None and (warning := unpinned_budget(samplers, *self._budget_given)):
@@ -259,6 +260,8 @@ class SplitSession:
             "padding_fraction": None if tokens is None else tokens[1],
             "rank_imbalance": None if balance is None else balance.imbalance,
             "sync_wait_seconds": None if balance is None else balance.sync_wait_seconds,
+            # Where a balanced sampler deals the ranks by a price: how far the measured compute strays from it.
+            "price_error": None if balance is None or not self._dealt else balance.price_error,
         }
         return StepFigures(samples, report)
 

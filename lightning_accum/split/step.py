@@ -85,6 +85,7 @@ class AgreedFigures(NamedTuple):
     largest_samples: int  # samples in the largest micro-batch
     cost: int  # the step's cost on the slowest rank (`SplitStepRunner.step_cost`)
     wait_us: int  # the longest any rank waited in the step's agreement, in microseconds
+    compute_us: int = 0  # the longest any rank computed before it, in microseconds (`SplitStepRunner.compute_seconds`)
 
 
 class RankBalance(NamedTuple):
@@ -92,20 +93,37 @@ class RankBalance(NamedTuple):
 
     imbalance: float  # the slowest rank's step cost over the mean rank's: 1.0 when every rank's step costs the same
     sync_wait_seconds: float  # the longest any rank waited in the step's agreement for the others to arrive
+    compute_imbalance: float | None = None  # the slowest rank's measured compute over the mean rank's
 
     @classmethod
-    def of(cls, figures: AgreedFigures, cost_sum: float, world_size: int) -> RankBalance | None:
-        """From the step's agreed figures and its cost summed over ranks; ``None`` on one rank (nothing to compare).
+    def of(cls, figures: AgreedFigures, cost_sum: float, world_size: int, compute_sum: float = 0) -> RankBalance | None:
+        """From the step's agreed figures and its cost (and compute) summed over ranks; ``None`` on one rank.
 
         Examples:
-            >>> figures = AgreedFigures(0, 0, 4, 16, 0, 4, cost=120, wait_us=2500)
-            >>> RankBalance.of(figures, cost_sum=200, world_size=2)
-            RankBalance(imbalance=1.2, sync_wait_seconds=0.0025)
+            >>> figures = AgreedFigures(0, 0, 4, 16, 0, 4, cost=120, wait_us=2500, compute_us=3000)
+            >>> RankBalance.of(figures, cost_sum=200, world_size=2, compute_sum=5000)
+            RankBalance(imbalance=1.2, sync_wait_seconds=0.0025, compute_imbalance=1.2)
         """
         if world_size <= 1:
             return None
-        mean = cost_sum / world_size
-        return cls(figures.cost / mean if mean > 0 else 1.0, figures.wait_us / 1e6)
+        mean, computed = cost_sum / world_size, compute_sum / world_size
+        compute_imbalance = figures.compute_us / computed if computed > 0 else None
+        return cls(figures.cost / mean if mean > 0 else 1.0, figures.wait_us / 1e6, compute_imbalance)
+
+    @property
+    def price_error(self) -> float | None:
+        """The measured compute's imbalance over the priced one: 1.0 where the price foresees the ranks' compute.
+
+        Where the price says the ranks are equal (``imbalance`` near 1.0), it is how far the slowest rank's measured
+        compute stands over the mean's. ``None`` where no compute was measured.
+
+        Example:
+            >>> round(RankBalance(1.01, 0.0, compute_imbalance=1.0605).price_error, 6)
+            1.05
+        """
+        if self.compute_imbalance is None or self.imbalance <= 0:
+            return None
+        return self.compute_imbalance / self.imbalance
 
 
 class _AgreementFailed(RuntimeError):
@@ -165,6 +183,8 @@ class SplitStepRunner:
         self.passes = 0  # micro-batches the current attempt cut
         self.price = StepCost()  # how a step is priced by tokens: the balanced sampler's, where one deals the steps
         self.wait_seconds = 0.0  # this rank's time in the last agreement: waiting for the slowest rank to arrive
+        self.compute_seconds = 0.0  # this rank's time from the start of the attempt to that agreement: its compute
+        self._attempt_started = time.perf_counter()
 
     def __call__(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step; returns what Lightning's automatic optimization expects."""
@@ -199,8 +219,11 @@ class SplitStepRunner:
         return round(StepCost(self.size, price.pass_cost_tokens, price.quadratic).of(self.cut.lengths))
 
     def summed_figures(self) -> tuple[int, ...]:
-        """This rank's figures to sum over ranks with the window's counts: its step cost, then `token_sums`."""
-        return (self.step_cost(), *self.token_sums())
+        """This rank's figures to sum over ranks with the window's counts.
+
+        Its step cost, then `token_sums`, then its compute in microseconds (`compute_seconds`).
+        """
+        return (self.step_cost(), *self.token_sums(), round(self.compute_seconds * 1e6))
 
     def token_sums(self) -> tuple[int, ...]:
         """The step's padded and real tokens (by tokens) to sum over ranks with the window's counts; else none."""
@@ -213,7 +236,7 @@ class SplitStepRunner:
         """
         longest = self.cut.longest if self.cut is not None else 0
         local = [self.backend.peak_bytes(), alloc_retries, self.size, self.step_size, longest, self.largest_samples]
-        local += [self.step_cost(), round(self.wait_seconds * 1e6)]
+        local += [self.step_cost(), round(self.wait_seconds * 1e6), round(self.compute_seconds * 1e6)]
         # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
         try:
             agreed = max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64))
@@ -246,6 +269,7 @@ class SplitStepRunner:
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         _finish_device_work(tensor)  # so that the wait timed below is for the others, not for this rank's own kernels
         start = time.perf_counter()
+        self.compute_seconds = start - self._attempt_started  # what the ranks' wait at the sync comes from
         try:
             values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
             self.wait_seconds = time.perf_counter() - start
@@ -267,6 +291,7 @@ class SplitStepRunner:
         fault, detail, outcome = Fault.NONE, "", None
         agreed: Agreement | None = None
         self._agreed = None
+        self._attempt_started = time.perf_counter()
         try:
             # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
             with _compat.hook_context(self.trainer.lightning_module):
@@ -406,16 +431,19 @@ def published_figures(
     """A step's samples per micro-batch, its token figures and the ranks' balance, as the front ends report them.
 
     ``summed`` is `SplitStepRunner.summed_figures` summed over ranks (the window's ``totals.extra``): the step cost,
-    then by tokens the padded and real tokens. By tokens, the token figures are the budget and the share of the
-    step's padded token positions that held no real token, all ranks, and the samples are the largest micro-batch's.
+    then by tokens the padded and real tokens, then the compute in microseconds. By tokens, the token figures are the
+    budget and the share of the step's padded token positions that held no real token, all ranks, and the samples are
+    the largest micro-batch's.
 
     Examples:
-        >>> figures = AgreedFigures(0, 0, 96, 400, 40, 3, cost=300, wait_us=0)
-        >>> published_figures(figures, (500, 400, 300), by_tokens=True, world_size=2)
-        (3, (96, 0.25), RankBalance(imbalance=1.2, sync_wait_seconds=0.0))
+        >>> figures = AgreedFigures(0, 0, 96, 400, 40, 3, cost=300, wait_us=0, compute_us=60)
+        >>> published_figures(figures, (500, 400, 300, 100), by_tokens=True, world_size=2)
+        (3, (96, 0.25), RankBalance(imbalance=1.2, sync_wait_seconds=0.0, compute_imbalance=1.2))
     """
-    cost, padded, real = (*summed, 0, 0)[:3]
-    balance = RankBalance.of(figures, cost, world_size)
+    cost = summed[0] if summed else 0
+    compute = summed[-1] if len(summed) > 1 else 0
+    padded, real = (*summed[1:-1], 0, 0)[:2]
+    balance = RankBalance.of(figures, cost, world_size, compute)
     if not by_tokens:
         return figures.size, None, balance
     return figures.largest_samples, (figures.size, (1.0 - real / padded) if padded > 0 else 0.0), balance
