@@ -356,13 +356,6 @@ def test_a_share_priced_as_it_grows_is_step_costs_price_to_the_bit(budget, pass_
         for i, length in enumerate(lengths):
             share.append(i, length)
             assert share.price == cost.of(lengths[: i + 1])
-        if not lengths:
-            continue
-        out, into = rng.randrange(len(lengths)), rng.choice([None, 16, rng.randint(1, 700)])
-        expected = lengths[:out] + lengths[out + 1 :] + ([] if into is None else [into])
-        assert share.price_with(out, into) == cost.of(expected)
-        share.exchange(out, None if into is None else (len(lengths), into))
-        assert share.price == cost.of(expected) and share.lengths == sorted(expected, reverse=True)
 
 
 @pytest.mark.parametrize("ranks", [2, 8, 64])

@@ -1,12 +1,10 @@
-"""A rank's share priced by its cut as sequences join and leave it: `PricedShare`, the deal's ledger. Pure.
+"""A rank's share priced by its cut as sequences join it, longest first: `PricedShare`, the greedy deal's ledger. Pure.
 
 `lightning_accum.sequences.balancing.greedy_by_price` prices a share every time a sequence joins it (thousands a
 step on hundreds of ranks). Cut from scratch (`token_cut.cut_groups`, from the shortest sequence back) each price is a
 new shortest path over the whole share. Here the same shortest path runs the other way, from the longest sequence on:
 the cheapest cut of each prefix of the share (longest first) is kept, so a sequence that joins last (the deal hands
-them out longest first) costs one step over the window it can share a micro-batch with; a share with one sequence
-taken out or put in (`PricedShare.price_with`, `PricedShare.exchange`: what a move between ranks prices) is re-cut
-from that position on, its prefix reused.
+them out longest first) costs one step over the window it can share a micro-batch with.
 
 Both directions find a cheapest cut (the same cut cost, ``budget // MICRO_BATCH_COST`` per micro-batch plus its padded
 tokens). Where the cheapest cut is unique, they find the same cut, and the price (`StepCost.of`'s: a pass cost plus
@@ -61,51 +59,6 @@ class PricedShare:
         self.members.append(member)
         self._known = None
         self._rule.extend(self.lengths, self._cut, self._price, self._unique, self._low, len(self.lengths) - 1)
-
-    def where(self, length: int) -> int:
-        """The position a sequence of ``length`` takes in the share: after every sequence at least as long."""
-        lengths, at = self.lengths, 0
-        while at < len(lengths) and lengths[at] >= length:
-            at += 1
-        return at
-
-    def price_with(self, out: int | None, into: int | None) -> float:
-        """The share's price with one sequence out and one in, the share unchanged.
-
-        ``out`` is the position of the sequence taken out, ``into`` the length of one put in; either may be ``None``.
-        Re-cut from the first position that changes.
-        """
-        lengths = list(self.lengths)
-        first = len(lengths)
-        if out is not None:
-            del lengths[out]
-            first = out
-        if into is not None:
-            at = 0
-            while at < len(lengths) and lengths[at] >= into:
-                at += 1
-            lengths.insert(at, into)
-            first = min(first, at)
-        keep = first + 1
-        cut, price, unique, low = self._cut[:keep], self._price[:keep], self._unique[:keep], self._low[:keep]
-        self._rule.extend(lengths, cut, price, unique, low, first)
-        return price[-1] if unique[-1] else self._exact(lengths)
-
-    def exchange(self, out: int | None, into: tuple[int, int] | None) -> None:
-        """Take out the sequence at position ``out`` and put in ``into`` (its member and length), either ``None``."""
-        first = len(self.lengths)
-        if out is not None:
-            del self.lengths[out], self.members[out]
-            first = out
-        if into is not None:
-            member, length = into
-            at = self.where(length)
-            self.lengths.insert(at, length)
-            self.members.insert(at, member)
-            first = min(first, at)
-        del self._cut[first + 1 :], self._price[first + 1 :], self._unique[first + 1 :], self._low[first + 1 :]
-        self._known = None
-        self._rule.extend(self.lengths, self._cut, self._price, self._unique, self._low, first)
 
 
 class _CutRule:
