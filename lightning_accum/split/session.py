@@ -39,7 +39,8 @@ from lightning_accum.sequences.loaders import balanced_samplers, check_loader_le
 from lightning_accum.split.cold_start import PreflightStart
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent, PlannerSettings, Tokens
 from lightning_accum.split.preflight import Preflight
-from lightning_accum.split.step import SplitStepRunner, StepHost, published_figures
+from lightning_accum.split.step import SplitStepRunner, StepHost
+from lightning_accum.split.step_figures import published_figures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
