@@ -30,6 +30,10 @@ PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that he
 RANK_IMBALANCE = "accum/rank_imbalance"  # the slowest rank's step cost over the mean rank's: 1.0 when equal
 SYNC_WAIT_SECONDS = "perf/sync_wait_seconds"  # the longest any rank waited for the others at the step's sync
 
+# Split mode on more than one rank dealt by a `BalancedBatchSampler`: whether the price it deals by fits the compute.
+PRICE_ERROR = "accum/price_error"  # the slowest rank's measured compute over the mean's, over accum/rank_imbalance
+PRICE_KEYS = (PRICE_ERROR,)
+
 ALLOC_RETRIES = (
     "memory/alloc_retries"  # CUDA/XPU only: the caching allocator's retries after a failed malloc, cumulative
 )

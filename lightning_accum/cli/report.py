@@ -56,7 +56,9 @@ _PLAIN_BELOW = 1e6  # y tick labels are written out below this, and in powers of
 # section with no panel left goes too. The token keys need AutoMicroBatching(sequences=...), the ranks' balance
 # split mode on more than one rank, the noise scale AccumulationMonitor(gradient_noise_scale=True), and the
 # allocator's retries a CUDA or XPU device; the other panels are drawn even when blank, so a missing figure shows.
-_OPTIONAL_KEYS = frozenset({*keys.TOKEN_KEYS, *keys.RANK_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES})
+_OPTIONAL_KEYS = frozenset(
+    {*keys.TOKEN_KEYS, *keys.RANK_KEYS, *keys.PRICE_KEYS, *keys.NOISE_SCALE_KEYS, keys.ALLOC_RETRIES}
+)
 _DEFAULT_OUTPUT = "lightning_accum_report.png"
 _FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 

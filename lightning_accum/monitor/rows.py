@@ -142,7 +142,9 @@ def event_metrics(events: Iterable[AccumulationEvent]) -> dict[str, float]:
 STEP_KEYS = (*keys.BATCH_KEYS, keys.OOM_RETRIES)
 """The figures of one step's own `lightning_accum.core.step_report.StepReport`."""
 
-LOGGED_KEYS = frozenset((*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS, *keys.RANK_KEYS))
+LOGGED_KEYS = frozenset(
+    (*keys.ALL_KEYS, *keys.NOISE_SCALE_KEYS, *keys.EVENT_KEYS, *keys.TOKEN_KEYS, *keys.RANK_KEYS, *keys.PRICE_KEYS)
+)
 """Every key `lightning_accum.AccumulationMonitor` logs (besides ``memory/rank{r}/peak_gib``)."""
 
 
@@ -215,7 +217,16 @@ def rank_metrics(report: StepReport) -> dict[str, float]:
         {'accum/rank_imbalance': 1.25, 'perf/sync_wait_seconds': 0.5}
         >>> rank_metrics(StepReport("split", 4, 2, 8, 8.0, 8))
         {}
+        >>> dealt = StepReport("split", 4, 2, 8, 8.0, 8, rank_imbalance=1.0, sync_wait_seconds=0.0, price_error=1.1)
+        >>> rank_metrics(dealt)
+        {'accum/rank_imbalance': 1.0, 'perf/sync_wait_seconds': 0.0, 'accum/price_error': 1.1}
     """
     if report.rank_imbalance is None or report.sync_wait_seconds is None:
         return {}
-    return {keys.RANK_IMBALANCE: float(report.rank_imbalance), keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds)}
+    metrics = {
+        keys.RANK_IMBALANCE: float(report.rank_imbalance),
+        keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds),
+    }
+    if report.price_error is not None:  # a balanced sampler deals the ranks
+        metrics[keys.PRICE_ERROR] = float(report.price_error)
+    return metrics
