@@ -10,6 +10,7 @@ from lightning_accum.split.preflight import in_preflight
 __version__ = "0.1.0"
 
 log.configure()
+log.show_warnings_as_the_package()
 moved.install()
 
 __all__ = [

@@ -30,6 +30,10 @@ PADDING_FRACTION = "accum/padding_fraction"  # padded positions computed that he
 RANK_IMBALANCE = "accum/rank_imbalance"  # the slowest rank's step cost over the mean rank's: 1.0 when equal
 SYNC_WAIT_SECONDS = "perf/sync_wait_seconds"  # the longest any rank waited for the others at the step's sync
 
+# Split mode on more than one rank dealt by a `BalancedBatchSampler`: whether the price it deals by fits the compute.
+PRICE_ERROR = "accum/price_error"  # the slowest rank's measured compute over the mean's, over accum/rank_imbalance
+PRICE_KEYS = (PRICE_ERROR,)
+
 # What the schedule aims at and how far training has come (every accumulation owner and Fabric front end), and with
 # `AdaptiveBatchSize(objective="goodput")` what it weighs. A window of `accum/accumulation_steps` micro-batches may be
 # an epoch's short tail, so `accum/target_accumulation_steps` is the schedule's own k (a fixed schedule's, or the

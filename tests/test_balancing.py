@@ -5,9 +5,13 @@ rebuild.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import json
 import math
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_accum.sequences import BalancedBatchSampler, balancing, token_cut
+from lightning_accum.sequences.priced_share import new_shares
 from lightning_accum.sequences.share_prices import cut_stops, share_prices
 from lightning_accum.sequences.token_cut import TokenCut
 from tests.token_models import TokenSequences, pad_right
@@ -319,3 +324,68 @@ def test_a_budget_below_one_is_refused_by_name():
         BalancedBatchSampler([4, 5], 2, num_replicas=1, micro_batch_tokens=0)
     with pytest.raises(ValueError, match=r"`pass_cost_tokens` must be non-negative, got -1"):
         balancing.StepCost(micro_batch_tokens=8, pass_cost_tokens=-1)
+
+
+# ---- the deal priced as shares grow (issue 37): the same prices and deals, for less ----
+
+
+def greedy_priced_from_scratch(lengths: list[int], parts: int, cost: balancing.StepCost) -> list[list[int]]:
+    """The reference: `greedy_by_price` as it was before issue 37, each share priced by a new cut at every sequence."""
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    cheapest = [(0.0, p) for p in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        _, p = heapq.heappop(cheapest)
+        shares[p].append(i)
+        heapq.heappush(cheapest, (cost.of([lengths[j] for j in shares[p]]), p))
+    return [sorted(share) for share in shares]
+
+
+PRICE_CASES = [(1024, 139.0, 332.0), (48, 8.0, None), (8, 10.0, None), (256, 400.5, 100.3), (4096, 112.0, None)]
+
+
+@pytest.mark.parametrize(("budget", "pass_cost", "quadratic"), PRICE_CASES)
+def test_a_share_priced_as_it_grows_is_step_costs_price_to_the_bit(budget, pass_cost, quadratic):
+    # Ties in the cut (equal lengths, 1-token rows, lengths over the budget) are where the two directions of the
+    # shortest path could pick different cuts: there the share must fall back to `StepCost.of` itself.
+    cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=pass_cost, quadratic=quadratic)
+    rng = random.Random(budget)
+    for _ in range(600):
+        choices = [1, 1, 2, 16, 16, 64, 100, 300, 600, 2000, rng.randint(1, 700)]
+        lengths = sorted((rng.choice(choices) for _ in range(rng.randint(0, 20))), reverse=True)
+        (share,) = new_shares(1, budget, pass_cost, quadratic, cost._of_ordered)
+        for i, length in enumerate(lengths):
+            share.append(i, length)
+            assert share.price == cost.of(lengths[: i + 1])
+
+
+@pytest.mark.parametrize("ranks", [2, 8, 64])
+def test_greedy_by_price_deals_as_the_greedy_priced_from_scratch(ranks):
+    for seed, (budget, pass_cost, quadratic) in itertools.product(range(3), PRICE_CASES):
+        cost = balancing.StepCost(micro_batch_tokens=budget, pass_cost_tokens=pass_cost, quadratic=quadratic)
+        lengths = bench_lengths(ranks * (4 + 4 * seed), seed) if budget < 4096 else lognormal(ranks * 8, seed)
+        assert balancing.greedy_by_price(lengths, ranks, cost) == greedy_priced_from_scratch(lengths, ranks, cost)
+
+
+DEAL_IN_A_PROCESS = """
+import json, math, random, sys
+from lightning_accum.sequences import balancing
+rng = random.Random(5)
+lengths = [min(512, max(8, round(math.exp(rng.gauss(math.log(64.0), 0.9))))) for _ in range(16 * 8)]
+cost = balancing.StepCost(micro_batch_tokens=1024, pass_cost_tokens=135.0, quadratic=405.0)
+print(json.dumps(balancing.deal(lengths, 16, cost=cost)))
+"""
+
+
+def test_two_processes_deal_alike_each_sample_once():
+    # Every rank computes the deal itself: two fresh interpreters must give the same deal, bit for bit, and this one.
+    deals = [
+        json.loads(
+            subprocess.run([sys.executable, "-c", DEAL_IN_A_PROCESS], capture_output=True, text=True, check=True).stdout
+        )
+        for _ in range(2)
+    ]
+    rng = random.Random(5)
+    lengths = [min(512, max(8, round(math.exp(rng.gauss(math.log(64.0), 0.9))))) for _ in range(16 * 8)]
+    cost = balancing.StepCost(micro_batch_tokens=1024, pass_cost_tokens=135.0, quadratic=405.0)
+    assert deals[0] == deals[1] == balancing.deal(lengths, 16, cost=cost)
+    assert sorted(i for part in deals[0] for i in part) == list(range(len(lengths)))

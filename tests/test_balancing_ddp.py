@@ -132,6 +132,13 @@ def test_dealt_by_cost_under_ddp_the_update_is_the_random_deals_and_the_full_bat
     priced = [balancing.imbalance([price.of([LENGTHS[i] for i in share]) for share in step]) for step in shares]
     assert [by_cost[s] for s in (0, 2, 3)] == pytest.approx([priced[s] for s in (0, 2, 3)], rel=1e-9)
     assert sum(by_cost) < sum(expected_imbalance)
+    # Issue 37, item 2: where a balanced sampler deals the ranks, how far the measured compute strays from the price,
+    # from the figures the step already gathers: the compute's imbalance (the slowest over the mean, so at least 1)
+    # over the priced one, at every logged step.
+    for run, imbalances in (("balanced", by_cost), ("random", expected_imbalance)):
+        errors = logged(tmp_path / run, keys.PRICE_ERROR)
+        assert len(errors) == len(imbalances) and all(0 < e < 100 for e in errors)
+        assert all(e * i >= 1 - 1e-9 for e, i in zip(errors, logged(tmp_path / run, keys.RANK_IMBALANCE), strict=True))
 
 
 def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:

@@ -597,3 +597,101 @@ def test_in_a_real_cpu_run_the_planner_stops_shrinking_once_it_stops_helping(tmp
     assert len(said) == 1 and "shrinking the micro-batch does not bring it down: from 64 to 32 samples" in said[0]
     expected = replay_reference(initial, dataset, model.step_indices, lambda m, b: token_loss(m, b), lr=0.01)
     assert_grads_close(model.step_grads, expected, **FP32)  # still exact, only not within the budget
+
+
+# ---- a noisy measure: the CPU's resident set (issue 36, item 4) ----------------------------------------------------
+
+
+def _noisy_tokens_run(seed: int, longest: int = 128, steps: int = 60) -> SimulationResult:
+    """A user's CPU run split by tokens: 492 MiB of process, 4 KiB a token, the resident set +-15 MiB a step."""
+    import random
+
+    from lightning_accum.split.planner.units import Tokens
+
+    unit = Tokens()
+    unit.set_longest(longest)
+    p = MicroBatchPlanner(2048, budget_bytes=500 * MiB, unit=unit)
+    noise = random.Random(seed)
+    return simulate(
+        p,
+        step_batch_size=32 * longest,
+        steps=steps,
+        peak_bytes=lambda step, tokens: 492 * MiB + 4096 * tokens + noise.uniform(-15, 15) * MiB,
+        capacity_bytes=CAPACITY,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_planner_does_not_chase_the_resident_sets_noise(seed: int):
+    # The user's run went 2048 -> 2047 -> 2046 tokens, then 1423 -> 268: k from 5 to 23 and samples/s from 17 to 1.6,
+    # while the peak moved about 30 MiB. Every size here fits on average (492 MiB + 8 MiB at 2048 tokens): the peaks
+    # over the budget are the noise. A shrink takes at least an eighth off and at most half; once a step as large has
+    # peaked under the budget, a peak over it at that size is noise, and the planner holds and says so.
+    result = _noisy_tokens_run(seed)
+    shrinks = [(e.before, e.after) for e in result.events if e.kind == "shrink"]
+    print("\nshrinks", shrinks)
+    # None where the first step peaked under the budget (2048 tokens fit); a third where the first steps' swings were
+    # too few to tell the noise by (seed 6: 2048 -> 1024 -> 896 -> 633, then held).
+    assert len(shrinks) <= 3
+    for before, after in shrinks:
+        assert before // 2 <= after <= before - max(128, before // 8)
+    assert result.final_size >= 512 and result.settled_at <= 12  # before: down to 128 tokens, or 1-token steps
+    assert result.unreachable_steps  # said why it holds
+    p_message = _noisy_tokens_message(seed)
+    # Either why: a step as large fitted (the peak moves by more than the micro-batch moves it), or a shrink by half
+    # hardly lowered the peak.
+    assert "The planner keeps token budget" in p_message and "rather than shrink for nothing" in p_message
+
+
+def _noisy_tokens_message(seed: int) -> str:
+    import random
+
+    from lightning_accum.split.planner.units import Tokens
+
+    unit = Tokens()
+    unit.set_longest(128)
+    p = MicroBatchPlanner(2048, budget_bytes=500 * MiB, unit=unit)
+    noise = random.Random(seed)
+    for step in range(60):
+        size = p.size_for(32 * 128)
+        p.on_step(size, 492 * MiB + 4096 * size + noise.uniform(-15, 15) * MiB, step)
+        warning = p.unreachable_warning()
+        if warning is not None:
+            return warning
+    raise AssertionError("the planner never said why it holds")
+
+
+def test_a_token_budget_never_shrinks_by_one_token():
+    # A fit that says one token less fits: the cut and the peak stay the same, and the next step shrinks again.
+    from lightning_accum.split.planner.units import Tokens
+
+    unit = Tokens()
+    unit.set_longest(100)
+    p = MicroBatchPlanner(2048, budget_bytes=1000 * MiB, unit=unit)
+    p.size_for(4096)
+    p.on_step(2048, 990 * MiB, step=0)  # under: remembered
+    p.on_step(1024, 495 * MiB + 0.5 * MiB, step=1)  # a line through both: about 0.48 MiB a token, 1 MiB fixed
+    p.size_for(4096)
+    # At 2048 tokens again, 1 MiB over: the fit says 2045 tokens fit; the shrink takes an eighth off instead.
+    p._history.fitted = []  # (the step at 2048 that fitted would otherwise make this peak noise)
+    assert p.on_step(2048, 1001 * MiB, step=2) == 2048 - 256
+    # And at most half, whatever the fit says.
+    p._history.fitted = []
+    assert p.on_step(1792, 4000 * MiB, step=3) == 896
+
+
+def test_a_new_phase_that_holds_more_still_shrinks_though_a_larger_step_fitted_before():
+    # The peak had moved by at most 1 MiB between steps; then 40 MiB more at the same size (a memory-hungry phase of
+    # training): not noise, so the planner makes room, though 20 samples fitted before.
+    p = planner(micro_batch_size=20, budget_bytes=500 * MiB)
+    p.size_for(20)
+    for step in range(4):
+        p.on_step(20, 480 * MiB + (step % 2) * MiB, step)
+    assert p.on_step(20, 520 * MiB, step=4) < 20 and p.events[-1].kind == "shrink"
+    # Within the noise of a step that fitted, a peak over the budget is held, and said why.
+    noisy = planner(micro_batch_size=20, budget_bytes=500 * MiB)
+    noisy.size_for(20)
+    for step, peak in enumerate([480, 499, 482, 498]):
+        noisy.on_step(20, peak * MiB, step)
+    assert noisy.on_step(20, 503 * MiB, step=4) == 20 and noisy.events == []
+    assert "moves from step to step by more than the micro-batch moves it" in noisy.unreachable_warning()

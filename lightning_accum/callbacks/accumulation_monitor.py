@@ -90,6 +90,9 @@ class AccumulationMonitor(Callback):
                                                          last step's slowest rank's cost over the mean rank's
         ``perf/sync_wait_seconds``          s            split mode on several ranks, every logging step: the
                                                          longest any rank waited at the last step's sync
+        ``accum/price_error``               ratio        dealt by a ``BalancedBatchSampler`` on several ranks,
+                                                         every logging step: the slowest rank's measured
+                                                         compute over the mean's, over the priced imbalance
         ``events/*``                        size after   at the logging step that follows the event
                                                          (samples; split by tokens, the token budget);
                                                          after fit, in ``callback_metrics``: the count

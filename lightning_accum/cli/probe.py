@@ -186,8 +186,26 @@ def _add_budget_arguments(parser: argparse.ArgumentParser) -> None:
         help="the share of --max-memory kept free for what the probe cannot see (default: 0.1 with --target cuda, "
         "else 0)",
     )
+    parser.add_argument(
+        "--process-overhead",
+        type=_process_overhead,
+        default="measure",
+        help="with --sequences on the CPU: what a training process holds beyond the probe's before any tensor (a "
+        "Trainer, its loggers), kept free of --max-memory: 'measure' (default: a tiny model run in two fresh "
+        "processes, under a Trainer and by hand, a few seconds), a size such as 64MiB, or 0",
+    )
     # The older spelling of --max-memory, in GiB; kept so that existing scripts run.
     budget.add_argument("--budget-gib", type=positive_float, help=argparse.SUPPRESS)
+
+
+def _process_overhead(text: str) -> int | str:
+    """An ``argparse`` type: ``measure``, ``0``, or a size such as ``64MiB``."""
+    if text in ("measure", "0"):
+        return text if text == "measure" else 0
+    try:
+        return memory_size(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}; or 'measure', or 0 to keep nothing") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,7 +284,14 @@ def _probe(args: argparse.Namespace, device: str) -> Any:
         "headroom": args.headroom,
     }
     if sequences is not None:
-        return probe_tokens(module, data, sequences=sequences, sequence_lengths=args.sequence_lengths, **common)
+        return probe_tokens(
+            module,
+            data,
+            sequences=sequences,
+            sequence_lengths=args.sequence_lengths,
+            process_overhead=args.process_overhead,
+            **common,
+        )
     return probe_memory(module, data, accumulation_steps=args.accumulation_steps or (2, 4), **common)
 
 

@@ -61,6 +61,7 @@ _OPTIONAL_KEYS = frozenset(
     {
         *keys.TOKEN_KEYS,
         *keys.RANK_KEYS,
+        *keys.PRICE_KEYS,
         *keys.NOISE_SCALE_KEYS,
         keys.ALLOC_RETRIES,
         *keys.SCHEDULE_KEYS,

@@ -97,6 +97,9 @@ class StepReport:
             1.0 when every rank's step cost the same. ``None`` otherwise.
         sync_wait_seconds: split mode on more than one rank: the longest any rank waited, in the step's agreement, for
             the others to arrive; ``None`` otherwise.
+        price_error: split mode on more than one rank dealt by a `BalancedBatchSampler`: the slowest rank's measured
+            compute over the mean rank's, over ``rank_imbalance`` (1.0 where the price foresees the compute); ``None``
+            otherwise.
         consumed_items: items consumed since the start of training, all ranks, this step included.
         target_accumulation_steps: the ``k`` the schedule aims at: a fixed schedule's own (not a short tail's count),
             `lightning_accum.schedules.AdaptiveBatchSize`'s target before clamping; ``None`` where no schedule plans
@@ -124,6 +127,7 @@ class StepReport:
     padding_fraction: float | None = None
     rank_imbalance: float | None = None
     sync_wait_seconds: float | None = None
+    price_error: float | None = None
     consumed_items: float = 0.0
     target_accumulation_steps: float | None = None
     statistical_efficiency: float | None = None

@@ -60,7 +60,7 @@ CONFIG_KEY = "lightning_accum"
 MAX_SUMMARY_KEYS = (keys.PEAK_GIB, keys.PEAK_FRACTION, keys.PEAK_RESERVED_GIB)
 """Keys whose run summary is their maximum (a memory peak matters at its worst, not at the last step)."""
 
-MEAN_SUMMARY_KEYS = (keys.PADDING_FRACTION, keys.RANK_IMBALANCE, keys.SYNC_WAIT_SECONDS)
+MEAN_SUMMARY_KEYS = (keys.PADDING_FRACTION, keys.RANK_IMBALANCE, keys.SYNC_WAIT_SECONDS, *keys.PRICE_KEYS)
 """Keys whose run summary is their mean over the logged steps: the padding's and the ranks' waits' cost is spread
 over the run."""
 
@@ -147,6 +147,8 @@ PANEL_LAYOUT: tuple[SectionSpec, ...] = (
         (
             PanelSpec("Rank imbalance", (keys.RANK_IMBALANCE,), "slowest rank's step cost / mean", (1.0, None)),
             PanelSpec("Sync wait", (keys.SYNC_WAIT_SECONDS,), "s (longest over ranks)", _FROM_ZERO),
+            # Dealt by a BalancedBatchSampler: the measured compute's imbalance over the priced (1.0: the price fits).
+            PanelSpec("Price error", keys.PRICE_KEYS, "measured compute's imbalance / priced", (1.0, None)),
         ),
     ),
     SectionSpec(
@@ -234,7 +236,7 @@ def define_metrics(run: Any, prefix: str = "", *, tokens: bool = False, ranks: b
     """
     run.define_metric(STEP_METRIC)
     token_keys = keys.TOKEN_KEYS if tokens else ()
-    rank_keys = keys.RANK_KEYS if ranks else ()
+    rank_keys = (*keys.RANK_KEYS, *keys.PRICE_KEYS) if ranks else ()
     contract = (*keys.ALL_KEYS, BUDGET_FRACTION, *keys.EVENT_KEYS, *keys.NOISE_SCALE_KEYS, *keys.SCHEDULE_KEYS)
     for key in (*contract, *keys.GOODPUT_KEYS, *token_keys, *rank_keys):
         kwargs: dict[str, Any] = {"step_metric": STEP_METRIC, "step_sync": True}

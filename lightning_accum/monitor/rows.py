@@ -149,6 +149,7 @@ LOGGED_KEYS = frozenset(
         *keys.EVENT_KEYS,
         *keys.TOKEN_KEYS,
         *keys.RANK_KEYS,
+        *keys.PRICE_KEYS,
         *keys.SCHEDULE_KEYS,
         *keys.GOODPUT_KEYS,
     )
@@ -225,10 +226,19 @@ def rank_metrics(report: StepReport) -> dict[str, float]:
         {'accum/rank_imbalance': 1.25, 'perf/sync_wait_seconds': 0.5}
         >>> rank_metrics(StepReport("split", 4, 2, 8, 8.0, 8))
         {}
+        >>> dealt = StepReport("split", 4, 2, 8, 8.0, 8, rank_imbalance=1.0, sync_wait_seconds=0.0, price_error=1.1)
+        >>> rank_metrics(dealt)
+        {'accum/rank_imbalance': 1.0, 'perf/sync_wait_seconds': 0.0, 'accum/price_error': 1.1}
     """
     if report.rank_imbalance is None or report.sync_wait_seconds is None:
         return {}
-    return {keys.RANK_IMBALANCE: float(report.rank_imbalance), keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds)}
+    metrics = {
+        keys.RANK_IMBALANCE: float(report.rank_imbalance),
+        keys.SYNC_WAIT_SECONDS: float(report.sync_wait_seconds),
+    }
+    if report.price_error is not None:  # a balanced sampler deals the ranks
+        metrics[keys.PRICE_ERROR] = float(report.price_error)
+    return metrics
 
 
 def schedule_metrics(report: StepReport) -> dict[str, float]:

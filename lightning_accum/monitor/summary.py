@@ -45,6 +45,7 @@ class FitSummary:
         self.padding: list[float] = []  # split by tokens: each step's padding fraction
         self.imbalance: list[float] = []  # split on several ranks: each step's slowest rank over the mean rank
         self.sync_wait_seconds = 0.0  # ... the longest any rank waited at each step's sync, summed over steps
+        self.price_error: list[float] = []  # ... dealt by a balanced sampler: measured compute's imbalance over priced
         self.oom_steps: list[int] = []
         self.samples = 0
         self._step_samples: list[int] = []  # each step's effective batch size
@@ -94,6 +95,8 @@ class FitSummary:
         if report.rank_imbalance is not None:
             self.imbalance.append(report.rank_imbalance)
             self.sync_wait_seconds += report.sync_wait_seconds or 0.0
+        if report.price_error is not None:
+            self.price_error.append(report.price_error)
         self.effective_batch_sizes.add(report.effective_batch_size)
         self.oom_steps.extend(e.step for e in report.events if e.kind == "oom_recovered")
         for event in report.events:
@@ -125,6 +128,8 @@ class FitSummary:
         if self.imbalance:
             figures["rank_imbalance_mean"] = sum(self.imbalance) / len(self.imbalance)
             figures["sync_wait_seconds"] = self.sync_wait_seconds
+        if self.price_error:
+            figures["price_error_mean"] = sum(self.price_error) / len(self.price_error)
         if self.seconds > 0:
             figures["samples_per_sec"] = self.samples / self.seconds
         if self.peak_fraction is not None:
@@ -153,8 +158,11 @@ class FitSummary:
                 f"slowest rank {mean:.2f}x the mean rank's step (mean over steps), {self.sync_wait_seconds:.1f} s"
                 " waited at the sync" + (_BALANCE_HINT if mean >= WORTH_BALANCING else "")
             )
+        if self.price_error:
+            parts.append(_price_text(sum(self.price_error) / len(self.price_error)))
         if self.peak_fraction is not None:
-            parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}")
+            over = self.memory_limit == "budget" and self.peak_fraction > 1
+            parts.append(f"peak memory {self.peak_fraction:.0%} of the {self.memory_limit}" + (_OVER if over else ""))
         if self.seconds > 0:
             parts.append(f"{self.samples / self.seconds:,.0f} samples/s")
         return "; ".join(parts) + "."
@@ -173,9 +181,33 @@ class FitSummary:
         return parts
 
 
+_OVER = (
+    ", OVER the budget: the part of the peak that no micro-batch changes (the process, the weights, the optimizer"
+    " state, on the CPU the resident set's noise) does not leave it room; the planner's warning said where it stopped"
+    " shrinking. Raise `max_memory` above the peak, or lower that part (a sharded strategy, a smaller optimizer state)"
+)
+
 # From here the ranks wait for the slowest long enough to be worth a sampler that deals them equal costs (measured on
 # the HF example: 1.07x without it, 1.01x with it).
 WORTH_BALANCING = 1.05
+
+PRICE_OFF = 1.05
+"""Where the slowest rank's measured compute stands this far over the mean's more than its price says (mean over
+steps), the balanced sampler's price does not fit the model: the summary says to measure it."""
+
+
+def _price_text(error: float) -> str:
+    """The summary's line on the balanced sampler's price against the ranks' measured compute."""
+    text = f"the slowest rank's measured compute {error:.2f}x the mean's over what the sampler's price foresees"
+    if error < PRICE_OFF:
+        return text
+    return text + (
+        " (the price does not fit this model: measure it with `lightning_accum.sequences.measure_step_cost` on every"
+        " rank and give its `pass_cost_tokens` and `quadratic` to the BalancedBatchSampler, or give `quadratic=`"
+        " where long sequences run slower than their tokens say)"
+    )
+
+
 _BALANCE_HINT = (
     " (a BalancedBatchSampler in the training DataLoader deals each rank an equal share of every step's cost, with"
     " the same updates: docs/language-models.md#balancing-the-ranks)"

@@ -64,8 +64,33 @@ def _measure_lines(result: TokenProbeResult) -> list[str]:
         f" read it over each phase: up to {format_size(result.resident_overhead_bytes)} more than the live tensors"
         f" (T={worst.tokens} at L={worst.length}: {format_size(worst.planner_passes_bytes)} resident against"
         f" {format_size(worst.passes_peak_bytes)}), and the token budget below keeps that much of the budget free,"
-        " so that it is in the planner's own measure. A training process also holds what the probe does not (the"
-        " Trainer, the step batch, loggers); should that pass the budget, the planner shrinks from the first step."
+        " so that it is in the planner's own measure.",
+        *_training_process_lines(result),
+    ]
+
+
+def _training_process_lines(result: TokenProbeResult) -> list[str]:
+    if result.process_overhead_source == "measured":
+        assert result.training_process_bytes is not None and result.by_hand_process_bytes is not None
+        loggers = " and ".join(result.training_loggers)
+        return [
+            "A training process holds more than the probe's before its first tensor. Measured in two fresh processes"
+            f" that ran the same tiny model: under a Trainer with {loggers}, `AccumulationMonitor` and"
+            f" `AutoMicroBatching` it peaked at {format_size(result.training_process_bytes)}, by hand as the probe"
+            f" steps at {format_size(result.by_hand_process_bytes)}: the token budget below keeps"
+            f" {format_size(result.process_overhead_bytes)} more free for it (`--process-overhead` sets it). Loggers,"
+            " callbacks or data loading of your own that hold more can still pass the budget: the planner then"
+            " shrinks from the first step, and `memory/peak_fraction` shows by how much."
+        ]
+    if result.process_overhead_source == "given":
+        return [
+            f"For what a training process holds beyond the probe's (a Trainer, its loggers), the token budget below"
+            f" keeps {format_size(result.process_overhead_bytes)} more free, as given (`--process-overhead`)."
+        ]
+    return [
+        "A training process also holds what the probe does not (the Trainer, its loggers, the step batch), and none"
+        " of it is kept free here (`--process-overhead 0`): should it pass the budget, the planner shrinks from the"
+        " first step."
     ]
 
 
@@ -124,6 +149,8 @@ def _budget_text(result: TokenProbeResult) -> str:
     kept = f", keeping {result.headroom:.0%} of it free" if result.headroom else ""
     if result.resident_overhead_bytes:
         kept += f"{' and' if kept else ', keeping'} {format_size(result.resident_overhead_bytes)} for the resident set"
+    if result.process_overhead_bytes:
+        kept += f" and {format_size(result.process_overhead_bytes)} for a training process"
     return f"a budget of {report._budget_text(result.budget_bytes)}{kept}"
 
 
@@ -376,6 +403,12 @@ def to_dict(result: TokenProbeResult) -> dict[str, Any]:
         },
         "budget_bytes": result.budget_bytes,
         "headroom": result.headroom,
+        "resident_overhead_bytes": result.resident_overhead_bytes,
+        "process_overhead_bytes": result.process_overhead_bytes,
+        "process_overhead_source": result.process_overhead_source,
+        "training_process_bytes": result.training_process_bytes,
+        "by_hand_process_bytes": result.by_hand_process_bytes,
+        "training_loggers": list(result.training_loggers),
         "recommended_length": result.recommended_length,
         "fitting_micro_batch_tokens": tokens,
         "fitting_tokens_by_length": {str(n): result.fitting_tokens_at(n) for n in result.lengths},
@@ -437,7 +470,7 @@ def _plot_budget(ax: Any, result: TokenProbeResult, scale: int) -> None:
     if result.budget_bytes is None or result.usable_bytes is None:
         return
     ax.axhline(result.budget_bytes / scale, color="grey", ls="--", label=f"budget {format_size(result.budget_bytes)}")
-    if result.headroom or result.resident_overhead_bytes:
+    if result.headroom or result.resident_overhead_bytes or result.process_overhead_bytes:
         ax.axhline(result.usable_bytes / scale, color="C3", ls="-.", label="less what is kept free")
     tokens = result.fitting_micro_batch_tokens
     if tokens is not None:

@@ -114,7 +114,8 @@ class TokenProbeResult:
 
     The step peaks at the larger of the optimizer step's peak and the passes' fitted
     ``fixed + T (a + c L)`` (`predict`), in live tensors. On the CPU split mode's planner holds the process's peak
-    resident set to the budget (`measure`), so the budget that fits keeps `resident_overhead_bytes` of it free.
+    resident set to the budget (`measure`), so the budget that fits keeps `resident_overhead_bytes` of it free, and
+    `process_overhead_bytes` for what a training process holds beyond the probe's own.
 
     Attributes:
         batch_size: the step batch, in sequences.
@@ -135,6 +136,14 @@ class TokenProbeResult:
         target: with ``device="meta"``, the device the peaks are predicted for; ``None`` when measured.
         precision: the Lightning precision the steps ran in.
         headroom: the share of ``budget_bytes`` kept free for memory the measurement cannot see.
+        process_overhead_bytes: on the CPU, what a training process holds beyond the probe's process before any
+            tensor (a Trainer, its loggers, the monitor), kept free of the budget too.
+        process_overhead_source: where `process_overhead_bytes` came from, for the findings: ``"measured"``,
+            ``"given"``, or ``None`` where none is kept (no budget, or live tensors are the measure).
+        training_process_bytes: when measured, the peak resident set of a fresh process that trained a tiny model
+            under a Trainer (`lightning_accum.probe.training_process`).
+        by_hand_process_bytes: when measured, the same for a process that stepped that model by hand.
+        training_loggers: the loggers the measured Trainer ran.
     """
 
     batch_size: int
@@ -154,6 +163,11 @@ class TokenProbeResult:
     target: str | None = None
     precision: str = "32-true"
     headroom: float = 0.0
+    process_overhead_bytes: int = 0
+    process_overhead_source: str | None = None
+    training_process_bytes: int | None = None
+    by_hand_process_bytes: int | None = None
+    training_loggers: tuple[str, ...] = ()
 
     # ---- the fit --------------------------------------------------------------------------------------------------
 
@@ -217,10 +231,14 @@ class TokenProbeResult:
 
     @property
     def usable_bytes(self) -> float | None:
-        """The budget less its `headroom` and the `resident_overhead_bytes`, or ``None`` without a budget."""
+        """The budget less its `headroom`, the `resident_overhead_bytes` and the `process_overhead_bytes`.
+
+        ``None`` without a budget.
+        """
         if self.budget_bytes is None:
             return None
-        return self.budget_bytes * (1 - self.headroom) - self.resident_overhead_bytes
+        kept = self.resident_overhead_bytes + self.process_overhead_bytes
+        return self.budget_bytes * (1 - self.headroom) - kept
 
     def fitting_tokens_at(self, length: int) -> int | None:
         """The largest token budget (at most the step batch at ``length``) predicted to fit, or ``None``.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -41,6 +41,7 @@ from lightning_accum.probe.options import ProbeOptions, RunOptions
 from lightning_accum.probe.resolve import DataSpec, ModuleSpec, batch_factory
 from lightning_accum.probe.result import ProbeMeasurement
 from lightning_accum.probe.token_result import TokenMeasurement, TokenProbeResult
+from lightning_accum.probe.training_process import measure_training_process
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.token_cut import TokenCut
 
@@ -68,6 +69,7 @@ def probe_tokens(
     sequence_lengths: Sequence[int] | None = None,
     fit_micro_batch_sizes: Sequence[int] | None = None,
     steps: int = 1,
+    process_overhead: int | Literal["measure"] | None = "measure",
     **options: Unpack[ProbeOptions],
 ) -> TokenProbeResult:
     """Measure accumulating steps at every sequence length and micro-batch size, and fit ``peak(T, L)``.
@@ -83,6 +85,9 @@ def probe_tokens(
         sequence_lengths: the lengths ``L``, each at most the batch's padded length ``P`` (default ``P/4, P/2, P``).
         fit_micro_batch_sizes: the sequences per micro-batch ``n``, each at most ``batch_size`` (``B/8, B/4, B/2``).
         steps: measured optimizer steps per shape.
+        process_overhead: on the CPU with a budget, what a training process holds beyond the probe's own before any
+            tensor, kept free of the budget: ``"measure"`` (default; `lightning_accum.probe.training_process`, a few
+            seconds once per process), a number of bytes, or ``None``/``0`` to keep nothing. Unused on live tensors.
 
     Keyword Args:
         warmup_steps: unmeasured steps before them (default 1; the first creates optimizer state).
@@ -104,6 +109,7 @@ def probe_tokens(
     run = RunOptions.of("probe_tokens", options)
     batch_size = check_int(batch_size, "batch_size", 1)
     steps, warmup_steps = check_int(steps, "steps", 1), check_int(run.warmup_steps, "warmup_steps", 0)
+    process_overhead = _check_process_overhead(process_overhead)
     sequences = _check_sequences(sequences)
     setup = measure._checked_setup(module, run)
     make_batch = batch_factory(data, run.data_init_args, batch_size)
@@ -112,7 +118,7 @@ def probe_tokens(
         measure._measure(setup.make_module, make, n, 2, steps, warmup_steps, setup.where, run.seed)
         for make, n in plan.each()
     ]
-    return _fit(_result(plan, sequences, runs, setup))
+    return _keep_for_training_process(_fit(_result(plan, sequences, runs, setup)), process_overhead)
 
 
 # ---- the plan -------------------------------------------------------------------------------------------------------
@@ -220,6 +226,28 @@ def _fit(result: TokenProbeResult) -> TokenProbeResult:
         result.holdout_error = relative_error(lambda t, n: check.predict(t, length=n), truth)
         fixed, per_token = _line([(t, points[(t, n)]) for t, n in fitted])
         result.tokens_only_holdout_error = relative_error(lambda t, n: fixed + per_token * t, truth)
+    return result
+
+
+def _check_process_overhead(overhead: object) -> int | Literal["measure"] | None:
+    if overhead is None:
+        return None
+    if overhead == "measure":
+        return "measure"
+    return check_int(overhead, "process_overhead", 0, hint='Or "measure" to measure it, or None to keep nothing.')
+
+
+def _keep_for_training_process(result: TokenProbeResult, overhead: int | str | None) -> TokenProbeResult:
+    """Keep what a training process holds beyond the probe's free of the budget, where the resident set is held."""
+    if result.budget_bytes is None or result.measure != "resident set" or not overhead:
+        return result
+    if overhead != "measure":
+        result.process_overhead_bytes, result.process_overhead_source = int(overhead), "given"
+        return result
+    measured = measure_training_process()
+    result.process_overhead_bytes, result.process_overhead_source = measured.overhead_bytes, "measured"
+    result.training_process_bytes, result.by_hand_process_bytes = measured.trainer_bytes, measured.by_hand_bytes
+    result.training_loggers = measured.loggers
     return result
 
 

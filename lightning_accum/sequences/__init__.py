@@ -2,8 +2,9 @@
 
 ``padded`` reads a batch's padded sequences (`PaddedSequences`), ``masks`` every form of padding mask, ``token_cut``
 cuts a step batch by a token budget (the one cut: the balancing prices a share by the same), ``balanced_sampler`` and
-``balancing`` deal a global step batch by cost, ``share_prices`` prices many shares at once, and ``pass_timing``
-measures what a pass costs on your model (`measure_step_cost`). Pure: no Trainer.
+``balancing`` deal a global step batch by cost, ``priced_share`` prices a share as the greedy deal grows it,
+``share_prices`` prices many shares at once, and ``pass_timing`` measures what a pass costs on your model
+(`measure_step_cost`). Pure: no Trainer.
 """
 
 from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler

@@ -37,6 +37,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from lightning_accum.sequences.priced_share import new_shares
 from lightning_accum.sequences.share_prices import share_prices
 from lightning_accum.sequences.token_cut import cut_groups
 
@@ -264,7 +265,8 @@ def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[
     """Each sample, longest first, to the part whose share is cheapest by ``cost`` (its real cut): a pass counted.
 
     Deterministic: ties go to the lower part. Every part gets a sample before any gets a second (an empty share
-    costs nothing). Parts ascending.
+    costs nothing). Parts ascending. Each share is priced as it grows (`lightning_accum.sequences.priced_share`): a
+    sequence that joins it costs one step of the cut, not a new cut, at the same price to the bit.
 
     Example:
         >>> greedy_by_price([8, 8, 8, 8, 8, 8], 2, StepCost(micro_batch_tokens=16, pass_cost_tokens=8))
@@ -272,13 +274,16 @@ def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[
     """
     if parts < 1:
         raise ValueError(f"`parts` must be at least 1, got {parts}.")
-    shares: list[list[int]] = [[] for _ in range(parts)]
+    budget = int(cost.micro_batch_tokens or 0)
+    shares = new_shares(parts, budget, cost.pass_cost_tokens, cost.quadratic, cost._of_ordered)
+    at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them
     cheapest = [(0.0, p) for p in range(parts)]  # a heap of (price of the share, part)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         _, p = heapq.heappop(cheapest)
-        shares[p].append(i)
-        heapq.heappush(cheapest, (cost.of([lengths[j] for j in shares[p]]), p))
-    return [sorted(share) for share in shares]
+        share = shares[p]
+        share.append(i, at_least_one[i])  # the shortest yet: one step of the cut from its prefix's, not a new cut
+        heapq.heappush(cheapest, (share.price, p))
+    return [sorted(share.members) for share in shares]
 
 
 def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost) -> list[list[int]]:

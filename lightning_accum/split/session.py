@@ -35,11 +35,12 @@ from lightning_accum.memory.sizes import format_size
 from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.balanced_sampler import ranks_deal_apart
 from lightning_accum.sequences.balancing import StepCost
-from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, weigh_shares
+from lightning_accum.sequences.loaders import balanced_samplers, check_loader_lengths, unpinned_budget, weigh_shares
 from lightning_accum.split.cold_start import PreflightStart
 from lightning_accum.split.planner import MicroBatchPlanner, PlannerEvent, PlannerSettings, Tokens
 from lightning_accum.split.preflight import Preflight
-from lightning_accum.split.step import SplitStepRunner, StepHost, published_figures
+from lightning_accum.split.step import SplitStepRunner, StepHost
+from lightning_accum.split.step_figures import published_figures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import (
     GRADIENT_SYNCS,
@@ -127,6 +128,8 @@ class SplitSession:
         self._cold = False
         self._warned_sample_count = False
         self._price: StepCost | None = None  # the balanced sampler's, where one deals the steps
+        self._budget_given = (micro_batch_tokens, settings.pin_micro_batch_size)  # to check the sampler's against
+        self._dealt = False  # whether a `BalancedBatchSampler` deals the ranks (by a price the compute can belie)
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
@@ -180,14 +183,18 @@ class SplitSession:
         """Check the run's loaders before any step (every rank alike), and price steps as their sampler deals them.
 
         A `BalancedBatchSampler` that deals by a measured pass cost (or a quadratic term) has the ranks' balance
-        (``accum/rank_imbalance``) priced by the same figures. See `refuse_ranks_that_deal_apart`.
+        (``accum/rank_imbalance``) priced by the same figures. One that prices at a token budget split mode may not
+        cut at (``"auto"``, or not pinned) is warned about (`lightning_accum.sequences.loaders.unpinned_budget`). See
+        `refuse_ranks_that_deal_apart`.
         """
         refuse_ranks_that_deal_apart(loaders, world_size)
         samplers = balanced_samplers(loaders)
         if samplers:
-            self._price = samplers[0].step_cost
+            self._price, self._dealt = samplers[0].step_cost, True
             if self.runner is not None:
                 self.runner.price = self._price
+            if self.sequences is not None and (warning := unpinned_budget(samplers, *self._budget_given)):
+                rank_zero_warn(warning)
 
     # ---- one step ---------------------------------------------------------------------------------------------
 
@@ -254,6 +261,8 @@ class SplitSession:
             "padding_fraction": None if tokens is None else tokens[1],
             "rank_imbalance": None if balance is None else balance.imbalance,
             "sync_wait_seconds": None if balance is None else balance.sync_wait_seconds,
+            # Where a balanced sampler deals the ranks by a price: how far the measured compute strays from it.
+            "price_error": None if balance is None or not self._dealt else balance.price_error,
         }
         return StepFigures(samples, report)
 

@@ -21,7 +21,7 @@ a fault in the synced backward no retry is possible (the others are in the colle
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NamedTuple, Protocol
 
@@ -38,6 +38,7 @@ from lightning_accum.sequences import PaddedSequences
 from lightning_accum.sequences.balancing import StepCost
 from lightning_accum.sequences.token_cut import TokenCut, TokenStats, check_items_kept
 from lightning_accum.split.planner import MicroBatchPlanner
+from lightning_accum.split.step_figures import AgreedFigures
 from lightning_accum.split.step_logs import StepLogCombiner
 from lightning_accum.split.sync import SyncPolicy
 
@@ -72,40 +73,6 @@ class Agreement(NamedTuple):
     longest: int  # the longest sequence over ranks (by tokens; 0 by samples), likewise
     used: list[bool] | None  # per parameter, whether any rank produced a gradient (`SyncPolicy.carries_used_flags`)
     faults: list[Fault]  # each rank's own fault, by rank: which ranks ran out of memory, or failed otherwise
-
-
-class AgreedFigures(NamedTuple):
-    """What a step measured and ran, the largest over ranks: what every rank's planner is told after the step."""
-
-    peak: int  # bytes
-    alloc_retries: int  # the allocator's, during the step
-    size: int  # the micro-batch size (samples, or the token budget)
-    step_size: int  # the step batch in the planner's unit
-    longest: int  # the longest sequence (by tokens; 0 by samples)
-    largest_samples: int  # samples in the largest micro-batch
-    cost: int  # the step's cost on the slowest rank (`SplitStepRunner.step_cost`)
-    wait_us: int  # the longest any rank waited in the step's agreement, in microseconds
-
-
-class RankBalance(NamedTuple):
-    """How unequal the ranks' steps were: the monitor's ``accum/rank_imbalance`` and ``perf/sync_wait_seconds``."""
-
-    imbalance: float  # the slowest rank's step cost over the mean rank's: 1.0 when every rank's step costs the same
-    sync_wait_seconds: float  # the longest any rank waited in the step's agreement for the others to arrive
-
-    @classmethod
-    def of(cls, figures: AgreedFigures, cost_sum: float, world_size: int) -> RankBalance | None:
-        """From the step's agreed figures and its cost summed over ranks; ``None`` on one rank (nothing to compare).
-
-        Examples:
-            >>> figures = AgreedFigures(0, 0, 4, 16, 0, 4, cost=120, wait_us=2500)
-            >>> RankBalance.of(figures, cost_sum=200, world_size=2)
-            RankBalance(imbalance=1.2, sync_wait_seconds=0.0025)
-        """
-        if world_size <= 1:
-            return None
-        mean = cost_sum / world_size
-        return cls(figures.cost / mean if mean > 0 else 1.0, figures.wait_us / 1e6)
 
 
 class _AgreementFailed(RuntimeError):
@@ -165,6 +132,8 @@ class SplitStepRunner:
         self.passes = 0  # micro-batches the current attempt cut
         self.price = StepCost()  # how a step is priced by tokens: the balanced sampler's, where one deals the steps
         self.wait_seconds = 0.0  # this rank's time in the last agreement: waiting for the slowest rank to arrive
+        self.compute_seconds = 0.0  # this rank's time from the start of the attempt to that agreement: its compute
+        self._attempt_started = time.perf_counter()
 
     def __call__(self, context: _compat.SplitStepContext) -> Any:
         """The closure of one optimizer step; returns what Lightning's automatic optimization expects."""
@@ -184,7 +153,7 @@ class SplitStepRunner:
         return context.make_result(loss, extra)
 
     def step_cost(self) -> int:
-        """What this rank's step cost, the figure the ranks' balance compares (`RankBalance`).
+        """What this rank's step cost, the figure the ranks' balance compares (`step_figures.RankBalance`).
 
         By tokens, the padded tokens its micro-batches computed plus a pass's fixed cost for each, priced as the
         `lightning_accum.sequences.BalancedBatchSampler` that deals the step prices a rank's share (``price``: its
@@ -199,8 +168,11 @@ class SplitStepRunner:
         return round(StepCost(self.size, price.pass_cost_tokens, price.quadratic).of(self.cut.lengths))
 
     def summed_figures(self) -> tuple[int, ...]:
-        """This rank's figures to sum over ranks with the window's counts: its step cost, then `token_sums`."""
-        return (self.step_cost(), *self.token_sums())
+        """This rank's figures to sum over ranks with the window's counts.
+
+        Its step cost, then `token_sums`, then its compute in microseconds (`compute_seconds`).
+        """
+        return (self.step_cost(), *self.token_sums(), round(self.compute_seconds * 1e6))
 
     def token_sums(self) -> tuple[int, ...]:
         """The step's padded and real tokens (by tokens) to sum over ranks with the window's counts; else none."""
@@ -213,7 +185,7 @@ class SplitStepRunner:
         """
         longest = self.cut.longest if self.cut is not None else 0
         local = [self.backend.peak_bytes(), alloc_retries, self.size, self.step_size, longest, self.largest_samples]
-        local += [self.step_cost(), round(self.wait_seconds * 1e6)]
+        local += [self.step_cost(), round(self.wait_seconds * 1e6), round(self.compute_seconds * 1e6)]
         # The largest micro-batch any rank ran goes with the largest peak: every planner is told the same.
         try:
             agreed = max_across_ranks(self.trainer, torch.tensor(local, dtype=torch.int64))
@@ -246,6 +218,7 @@ class SplitStepRunner:
         tensor = torch.tensor(local, dtype=torch.int64, device=trainer.strategy.root_device)
         _finish_device_work(tensor)  # so that the wait timed below is for the others, not for this rank's own kernels
         start = time.perf_counter()
+        self.compute_seconds = start - self._attempt_started  # what the ranks' wait at the sync comes from
         try:
             values = [int(v) for v in agreement_max(trainer, tensor).tolist()]
             self.wait_seconds = time.perf_counter() - start
@@ -267,6 +240,7 @@ class SplitStepRunner:
         fault, detail, outcome = Fault.NONE, "", None
         agreed: Agreement | None = None
         self._agreed = None
+        self._attempt_started = time.perf_counter()
         try:
             # Lightning's hook bookkeeping doesn't unwind on exceptions; this context does.
             with _compat.hook_context(self.trainer.lightning_module):
@@ -398,27 +372,6 @@ class SplitStepRunner:
             self.cut = self.sequences.cut(context.batch, self.engine.hooks)
         self.step_size = self.cut.tokens
         self.planner.unit.set_longest(self.cut.longest)
-
-
-def published_figures(
-    figures: AgreedFigures, summed: Sequence[float], by_tokens: bool, world_size: int
-) -> tuple[int, tuple[int, float] | None, RankBalance | None]:
-    """A step's samples per micro-batch, its token figures and the ranks' balance, as the front ends report them.
-
-    ``summed`` is `SplitStepRunner.summed_figures` summed over ranks (the window's ``totals.extra``): the step cost,
-    then by tokens the padded and real tokens. By tokens, the token figures are the budget and the share of the
-    step's padded token positions that held no real token, all ranks, and the samples are the largest micro-batch's.
-
-    Examples:
-        >>> figures = AgreedFigures(0, 0, 96, 400, 40, 3, cost=300, wait_us=0)
-        >>> published_figures(figures, (500, 400, 300), by_tokens=True, world_size=2)
-        (3, (96, 0.25), RankBalance(imbalance=1.2, sync_wait_seconds=0.0))
-    """
-    cost, padded, real = (*summed, 0, 0)[:3]
-    balance = RankBalance.of(figures, cost, world_size)
-    if not by_tokens:
-        return figures.size, None, balance
-    return figures.largest_samples, (figures.size, (1.0 - real / padded) if padded > 0 else 0.0), balance
 
 
 def _finish_device_work(tensor: Tensor) -> None:

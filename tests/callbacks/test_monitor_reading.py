@@ -65,3 +65,15 @@ def test_a_status_line_is_due_once_per_interval() -> None:
     due = [status.line(step, logged, now=30.0 * step) is not None for step in range(5)]
     assert due == [True, False, True, False, True]
     assert status_text(7, logged) == "lightning_accum: step 7, 5.0 samples/s, peak memory 2 GiB (50% of the capacity)"
+
+
+@pytest.mark.parametrize(
+    ("fraction", "limit", "flagged"), [(1.02, "budget", True), (0.97, "budget", False), (1.02, "capacity", False)]
+)
+def test_a_peak_over_the_budget_reads_as_a_problem_in_the_summary(fraction: float, limit: str, flagged: bool) -> None:
+    # Issue 36, item 4: "peak memory 102% of the budget" read like any other figure.
+    summary = _split_steps([1.0])
+    summary.add_peak(fraction, limit)
+    text = summary.text()
+    assert f"peak memory {fraction:.0%} of the {limit}" in text
+    assert ("OVER the budget" in text and "Raise `max_memory` above the peak" in text) is flagged, text

@@ -52,6 +52,7 @@ def test_dashboard_output_writes_the_spec_without_network(tmp_path, no_network, 
         *keys.NOISE_SCALE_KEYS,
         *keys.TOKEN_KEYS,
         *keys.RANK_KEYS,
+        *keys.PRICE_KEYS,
         *keys.GOODPUT_KEYS,  # AdaptiveBatchSize(objective="goodput") only
     }
     assert drawn - logged <= optional

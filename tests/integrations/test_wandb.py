@@ -43,6 +43,7 @@ CONTRACT_KEYS = {
     *keys.NOISE_SCALE_KEYS,
     *keys.TOKEN_KEYS,
     *keys.RANK_KEYS,
+    *keys.PRICE_KEYS,
     *keys.SCHEDULE_KEYS,
     *keys.GOODPUT_KEYS,
 }

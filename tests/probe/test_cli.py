@@ -326,6 +326,23 @@ def test_token_mistakes_are_one_line_before_measuring(capsys, argv, fragments):
     assert_one_error_line(run_cli(capsys, *TOKENS, *argv), *fragments)
 
 
+def test_the_token_budget_keeps_what_a_training_process_adds_as_given(capsys, measuring):
+    # Issue 36, item 2: --process-overhead gives what a training process holds beyond the probe's; the default
+    # measures it (tests/probe/test_tokens.py), a size is kept as given, 0 keeps nothing.
+    argv = [*TOKENS, "--sequences", *TOKEN_GRID, "--max-memory", "1GiB", "--json"]
+    given = json.loads(run_cli(capsys, *argv, "--process-overhead", "3MiB").out)
+    nothing = json.loads(run_cli(capsys, *argv, "--process-overhead", "0").out)
+    assert (given["process_overhead_bytes"], given["process_overhead_source"]) == (3 * 2**20, "given")
+    assert (nothing["process_overhead_bytes"], nothing["process_overhead_source"]) == (0, None)
+
+
+def test_a_bad_process_overhead_is_one_error_line(capsys):
+    outcome = run_cli(capsys, *TOKENS, "--sequences", "--process-overhead", "lots")
+    assert_one_error_line(
+        outcome, "--process-overhead", "expected a size such as 8GiB", "'lots'", "'measure', or 0", code=2
+    )
+
+
 def test_a_real_process_answers_in_tokens_on_the_meta_device(tmp_path):
     # The command as a user runs it: a fresh interpreter, the import paths resolved from the working directory.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -23,6 +23,7 @@ from lightning_accum.probe.measure import _Where
 from lightning_accum.probe.resolve import module_factory
 from lightning_accum.probe.token_result import TokenMeasurement
 from lightning_accum.probe.tokens import _micro_batches, _plan, probe_tokens
+from lightning_accum.probe.training_process import measure_training_process
 from lightning_accum.sequences import PaddedSequences
 from tests.probe.models import RegressionData, TokenLM, token_batch
 from tests.test_token_split import cheapest_cut
@@ -38,8 +39,9 @@ def _data(seq_len: int = 64):
 
 
 def _on_top_of_the_process(result):
-    """``result`` with a budget of 1 MiB of tensors beyond what the process's resident set holds without them."""
-    return dataclasses.replace(result, budget_bytes=MiB + result.resident_overhead_bytes)
+    """``result`` with a budget of 1 MiB of tensors beyond what a training process's resident set holds without them."""
+    kept = result.resident_overhead_bytes + result.process_overhead_bytes
+    return dataclasses.replace(result, budget_bytes=MiB + kept)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_the_token_budget_is_the_largest_that_fits(eager):
 
 
 def test_budgets_that_fit_nothing_say_why(eager):
-    overhead = eager.resident_overhead_bytes
+    overhead = eager.resident_overhead_bytes + eager.process_overhead_bytes
     small = dataclasses.replace(eager, budget_bytes=eager.optimizer_peak_bytes - 1 + overhead)
     assert small.fitting_micro_batch_tokens is None and present.snippet(small) is None
     assert any("the optimizer step alone peaks at" in line for line in present.findings(small))
@@ -229,6 +231,8 @@ def test_the_table_reads_in_one_unit_and_names_the_shapes(eager, tmp_path):
         ({"headroom": 1.0}, ValueError, r"`headroom` must be a fraction in \[0, 1\)"),
         ({"warmup_steps": -1}, ValueError, r"`warmup_steps` must be an int >= 0, got -1"),
         ({"devcie": "cpu"}, TypeError, r"`probe_tokens\(\)` got an unexpected keyword argument `devcie='cpu'`"),
+        ({"process_overhead": -1}, ValueError, r"`process_overhead` must be an int >= 0, got -1"),
+        ({"process_overhead": "lots"}, TypeError, r"`process_overhead` must be an int >= 0, got 'lots'.*\"measure\""),
     ],
 )
 def test_bad_arguments_are_named_before_anything_is_measured(monkeypatch, kwargs, error, match):
@@ -253,10 +257,49 @@ def test_on_the_cpu_the_budget_is_in_the_planners_own_measure_the_resident_set(e
         assert m.resident_passes_peak_bytes >= m.passes_peak_bytes
     overhead = max(m.resident_passes_peak_bytes - m.passes_peak_bytes for m in eager.measurements)
     assert eager.resident_overhead_bytes == overhead > 0
-    assert eager.usable_bytes == eager.budget_bytes - overhead
+    assert eager.usable_bytes == eager.budget_bytes - overhead - eager.process_overhead_bytes
     assert any(
         "holds the process's peak resident set (VmHWM) to `max_memory`" in line for line in present.findings(eager)
     )
     # On fake tensors (no process to measure) the budget is live tensors, as before.
     meta = probe_tokens(TokenLM, _data(), **GRID, budget_bytes=MiB, device="meta")
     assert meta.measure == "live tensors" and meta.resident_overhead_bytes == 0 and meta.usable_bytes == MiB
+
+
+def test_the_budget_keeps_free_what_a_training_process_holds_beyond_the_probes(eager, monkeypatch):
+    # Issue 36, item 2: a user's Trainer process held about 495 MiB before any tensor, the probe's 434-460, and the
+    # probe's token budget ended its first training step at 101% of the budget. The probe now measures that difference
+    # in two fresh processes that run the same tiny model, under a Trainer with its loggers and by hand.
+    measured = measure_training_process()
+    assert measured.trainer_bytes > 100 * MiB and measured.by_hand_bytes > 100 * MiB  # an interpreter with torch
+    assert measured.overhead_bytes == max(0, measured.trainer_bytes - measured.by_hand_bytes)
+    assert "CSVLogger" in measured.loggers
+    assert eager.process_overhead_source == "measured" and eager.process_overhead_bytes == measured.overhead_bytes
+    assert (eager.training_process_bytes, eager.by_hand_process_bytes) == (
+        measured.trainer_bytes,
+        measured.by_hand_bytes,
+    )
+    assert eager.usable_bytes == eager.budget_bytes - eager.resident_overhead_bytes - measured.overhead_bytes
+    (line,) = [line for line in present.findings(eager) if line.startswith("A training process holds more")]
+    assert "under a Trainer with CSVLogger" in line and "`--process-overhead` sets it" in line
+    # What is kept comes off the token budget, one for one.
+    roomy = dataclasses.replace(eager, budget_bytes=eager.resident_overhead_bytes + MiB, process_overhead_bytes=0)
+    kept = dataclasses.replace(roomy, process_overhead_bytes=256 * KiB)
+    assert kept.usable_bytes == roomy.usable_bytes - 256 * KiB
+    assert kept.fitting_micro_batch_tokens < roomy.fitting_micro_batch_tokens
+    assert present.to_dict(kept)["process_overhead_bytes"] == 256 * KiB
+
+
+@pytest.mark.parametrize(("given", "kept", "source"), [(3 * MiB, 3 * MiB, "given"), (None, 0, None), (0, 0, None)])
+def test_a_given_process_overhead_is_kept_without_measuring(monkeypatch, given, kept, source):
+    import lightning_accum.probe.tokens as tokens
+
+    monkeypatch.setattr(tokens, "measure_training_process", lambda: pytest.fail("measured, though it was given"))
+    grid = {"batch_size": 8, "sequence_lengths": (16, 32), "fit_micro_batch_sizes": (1, 2)}
+    result = probe_tokens(TokenLM, _data(), **grid, budget_bytes=2**30, process_overhead=given)
+    assert (result.process_overhead_bytes, result.process_overhead_source) == (kept, source)
+    assert result.usable_bytes == 2**30 - result.resident_overhead_bytes - kept
+    if given:
+        assert any("keeps 3.00 MiB more free, as given" in line for line in present.findings(result))
+    else:
+        assert any("none of it is kept free here (`--process-overhead 0`)" in line for line in present.findings(result))

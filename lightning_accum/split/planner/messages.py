@@ -6,6 +6,7 @@ Pure: the sentences and the error `lightning_accum.split.planner.MicroBatchPlann
 from __future__ import annotations
 
 from lightning_accum.memory.sizes import format_size, format_sizes
+from lightning_accum.split.planner.history import PlannerHistory
 from lightning_accum.split.planner.settings import PlannerSettings
 from lightning_accum.split.planner.units import PeakModel, Samples, Tokens
 
@@ -47,6 +48,26 @@ class MicroBatchOOMError(RuntimeError):
         self.per_sample_bytes = per_sample_bytes
 
 
+def why_not_shrink(
+    size: int, peak: float, budget: float, unit: Samples, settings: PlannerSettings, history: PlannerHistory
+) -> str | None:
+    """Why a peak over the budget is no reason to shrink ``size``, or ``None``: shrink.
+
+    As large a step fitted, and the peak is within the measure's noise of its (the peak moves by more than the
+    micro-batch moves it); or the smallest size was said to be
+    over the budget already; or the shrinks so far hardly lowered the peak (`out_of_reach`, which may hold the floor).
+    """
+    fitted = None if settings.pin_micro_batch_size else history.fitted_within_noise(size, unit.length(), peak)
+    if fitted is not None:
+        return noisy_peak(size, peak, budget, unit, fitted)
+    if history.held_at_floor is not None:
+        return at_floor(history.held_at_floor, peak, budget, unit)
+    why = out_of_reach(size, peak, budget, unit, settings, history.shrink_start)
+    if why is not None and size <= unit.floor(settings):
+        history.held_at_floor = size
+    return why
+
+
 def out_of_reach(
     size: int,
     peak: float,
@@ -65,8 +86,10 @@ def out_of_reach(
     if settings.pin_micro_batch_size or shrink_start is None:
         return None
     start, start_peak = shrink_start
-    if start < 2 * size:
-        return None  # a shrink to half or less tells what the micro-batch costs; a smaller one is noise-prone
+    if 8 * start < 9 * size:
+        # Shrinks take an eighth off at least (`_bounded_shrink`): after one, the peak says what the micro-batch
+        # costs. Where it hardly moved (the CPU's resident set, mostly the process), shrinking further buys nothing.
+        return None
     per_sample = max(0.0, (start_peak - peak) / (start - size))
     smallest = peak - per_sample * (size - smallest_size)
     if smallest <= budget:
@@ -79,6 +102,20 @@ def out_of_reach(
         " the memory that does not depend on the micro-batch is over the budget by itself. The planner keeps"
         f" {unit.noun} {size} rather than shrink for nothing (an out-of-memory error still shrinks it)."
         + FIX_FIXED_MEMORY
+    )
+
+
+def noisy_peak(size: int, peak: float, budget: float, unit: Samples, fitted: tuple[int, int, float]) -> str:
+    """Why the planner holds ``size`` over the budget: a step at least as large, ``fitted``, peaked under it."""
+    fitted_size, _, fitted_peak = fitted
+    texts = format_sizes(peak, budget, fitted_peak)
+    return (
+        f"The step's peak memory ({texts[0]}) is over the budget ({texts[1]}) at {unit.noun} {size}, but a step of"
+        f" {fitted_size} {unit.counts} at least as long peaked at {texts[2]}: the peak moves from step to step by more"
+        f" than the micro-batch moves it (on the CPU the process's resident set: the interpreter, libraries, heap"
+        f" pages and loggers). The planner keeps {unit.noun} {size} rather than shrink for nothing (an out-of-memory"
+        " error still shrinks it). Leave more room between `max_memory` and what the process holds at rest, or"
+        " accept peaks this close to the budget."
     )
 
 

@@ -52,7 +52,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 from lightning_accum._util.validation import check_int, check_number
 from lightning_accum.memory.sizes import format_size, format_sizes
 from lightning_accum.split.planner.history import PlannerHistory, optional
-from lightning_accum.split.planner.messages import at_floor, out_of_memory_error, out_of_reach
+from lightning_accum.split.planner.messages import out_of_memory_error, why_not_shrink
 from lightning_accum.split.planner.settings import PlannerSettings
 from lightning_accum.split.planner.units import PeakModel, Samples
 
@@ -273,7 +273,7 @@ class MicroBatchPlanner:
             self._limit = size
         self._observe(size, peak)
         history = self._history
-        history.last_peak, history.last_size = peak, size
+        history.remember_step(size, peak)
         history.retry_streak = history.retry_streak + 1 if retries > 0 else 0
         budget = self.budget_bytes
         settings = self.settings
@@ -285,8 +285,10 @@ class MicroBatchPlanner:
             if shrunk is not None:
                 return shrunk
         elif budget is not None:
-            history.shrink_start = None  # under the budget: the next shrink starts a new test of what it saves
+            # Under the budget; the first shrink's (size, peak) stays until a grow or refit, so a peak back over it at a
+            # smaller size says what the shrinks bought, where a noisy measure (the CPU's RSS) dips under and over it.
             history.held_at_floor = None
+            history.remember_fit(size, self.unit.length(), peak)
         if history.retry_streak >= 2 and can_shrink:
             if settings.predictive and budget is not None and self.model.fitted():
                 # Retries mean fragmentation more than size; aim for the low watermark to leave the allocator room.
@@ -337,22 +339,20 @@ class MicroBatchPlanner:
                 # Measurements from an earlier phase of training would bend the new fit; start over.
                 self.model = self.unit.new_model(self.model.max_sizes)
                 self._history.shrink_start = None
+                self._history.fitted = []
         self.model.observe(size, peak)
 
     def _over_budget(self, size: int, peak: float, budget: float, step: int, can_shrink: bool) -> int | None:
         """A peak over the budget: the size shrunk to, or ``None`` where shrinking cannot help (then it says why)."""
         history = self._history
-        if history.held_at_floor is not None:  # said already: no size is small enough, so none is tried
-            self.budget_unreachable = at_floor(history.held_at_floor, peak, budget, self.unit)
-        else:
-            self.budget_unreachable = out_of_reach(size, peak, budget, self.unit, self.settings, history.shrink_start)
-            if self.budget_unreachable is not None and size <= self.unit.floor(self.settings):
-                history.held_at_floor = size
+        self.budget_unreachable = why_not_shrink(size, peak, budget, self.unit, self.settings, history)
         if not can_shrink or self.budget_unreachable is not None:
             return None
         if history.shrink_start is None:
             history.shrink_start = (size, peak)
-        target = _shrink_target(size, peak, budget, self.settings.predictive, self.model)
+        target = _bounded_shrink(
+            size, _shrink_target(size, peak, budget, self.settings.predictive, self.model), self.unit.least_shrink(size)
+        )
         return self._change("shrink", size, target, step, "peak {} > budget {}".format(*format_sizes(peak, budget)))
 
     def _change(self, kind: PlannerEventKind, size: int, target: int, step: int, reason: str) -> int:
@@ -431,6 +431,19 @@ def _shrink_target(size: int, peak: float, budget: float, predictive: bool, mode
     # With one measurement, proportional scaling under-shrinks when there is fixed memory: never shrink less than
     # halving would.
     return min(size // 2, math.floor(size * budget / peak))
+
+
+def _bounded_shrink(size: int, target: int, least: int) -> int:
+    """``target`` kept between half of ``size`` and ``least`` below it: a shrink that buys what it costs.
+
+    A fit over noisy peaks (the CPU's resident set moves by tens of MiB from step to step) can put the largest size
+    that fits one token under ``size`` (a shrink that buys nothing, followed by another), or far below it (a fixed
+    part mistaken for most of the peak: 1423 -> 268 tokens in a user's run). A shrink of at least ``least``
+    (`lightning_accum.split.planner.units.Samples.least_shrink`) tells at the next step whether shrinking lowers the
+    peak (`lightning_accum.split.planner.messages.out_of_reach` stops it where it does not); at most half keeps a
+    wrong fit from costing most of the throughput at once. An OOM is not bounded: it halves, or goes to the fit.
+    """
+    return max(size // 2, min(target, size - least))
 
 
 def _grow_target(

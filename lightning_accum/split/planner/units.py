@@ -45,6 +45,17 @@ class Samples:
         """The smallest size: an OOM there cannot be helped by shrinking."""
         return settings.min_micro_batch_size
 
+    def length(self) -> int:
+        """The length a size is measured at: split by tokens the step's longest sequence; by samples 1, unknown."""
+        return 1
+
+    def least_shrink(self, size: int) -> int:
+        """The least a shrink for a peak over the budget takes off ``size``: in samples, 1.
+
+        `balance` then gives the step one micro-batch more at least, a step whose memory the next peak measures.
+        """
+        return 1
+
     def balance(self, limit: int, step_size: int | None, settings: PlannerSettings) -> int:
         """The size used under ``limit``: as many micro-batches as ``limit`` needs, evened out.
 
@@ -92,6 +103,17 @@ class Tokens(Samples):
 
     def floor(self, settings: PlannerSettings) -> int:
         return self.longest
+
+    def length(self) -> int:
+        return self.longest
+
+    def least_shrink(self, size: int) -> int:
+        """An eighth of ``size``, and one longest sequence at least.
+
+        A token budget is not balanced, so a fit over noisy peaks could take one token off (2048 -> 2047 -> 2046 in a
+        user's CPU run): the same cut, the same peak, and another shrink at the next step.
+        """
+        return max(self.longest, math.ceil(size / 8))
 
     def balance(self, limit: int, step_size: int | None, settings: PlannerSettings) -> int:
         return limit if step_size is None else max(1, min(limit, step_size))
