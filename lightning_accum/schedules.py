@@ -273,7 +273,7 @@ class AdaptiveBatchSize:
     Args:
         min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
         max_accumulation_steps: the largest ``k``.
-        objective: ``"goodput"`` or ``"noise_scale"`` (above).
+        objective: ``"goodput"`` or ``"noise_scale"`` (above); by default goodput, or noise_scale with a ``factor``.
         factor: ``objective="noise_scale"`` only: the target global batch as a multiple of the noise scale (1.0).
         min_gain: ``objective="goodput"`` only: the smallest predicted gain in goodput that moves ``k``.
         warmup_windows: windows measured before ``k`` may change, and between two changes.
@@ -307,7 +307,7 @@ class AdaptiveBatchSize:
         min_accumulation_steps: SeveralMicroBatches = 2,
         max_accumulation_steps: PositiveInt = 64,
         *,
-        objective: Objective = "goodput",
+        objective: Objective | None = None,
         factor: PositiveFloat | None = None,
         min_gain: NonNegativeFloat = 0.05,
         warmup_windows: NonNegativeInt = 20,

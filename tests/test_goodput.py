@@ -106,7 +106,10 @@ def test_the_goodput_state_round_trips_and_a_restored_schedule_decides_alike():
     ("kwargs", "match"),
     [
         ({"objective": "fastest"}, r"`objective` must be 'goodput' or 'noise_scale', got 'fastest'\. 'goodput'"),
-        ({"factor": 2.0}, r"`factor` \(2\.0\) applies to `objective='noise_scale'` only.* Pass `objective='noise_sc"),
+        (
+            {"objective": "goodput", "factor": 2.0},
+            r"`factor` \(2\.0\) applies to `objective='noise_scale'` only.* Pass `objective='noise_sc",
+        ),
         ({"min_gain": -0.1}, r"`min_gain` must be a finite number >= 0(\.0)?, got -0\.1\. 0\.05 moves k"),
     ],
 )
@@ -213,3 +216,9 @@ def test_under_ddp_ranks_with_different_clocks_take_the_same_k_with_no_extra_gra
     union = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
     expected = replay_reference(initial, IndexedDataset(256), union, mse_loss, lr=0.2)
     assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_factor_alone_keeps_its_meaning_from_before_the_goodput_objective():
+    # AdaptiveBatchSize(factor=2.0), in code or YAML, aimed k at 2 x the noise scale before goodput was the default.
+    assert (AdaptiveBatchSize(factor=2.0).objective, AdaptiveBatchSize(factor=2.0).factor) == ("noise_scale", 2.0)
+    assert AdaptiveBatchSize().objective == "goodput"

@@ -173,13 +173,19 @@ def goodput_choice(
 def check_objective(objective: Any, factor: Any) -> tuple[Objective, float]:
     """``(objective, factor)`` of `lightning_accum.schedules.AdaptiveBatchSize`; only ``"noise_scale"`` takes a factor.
 
+    ``objective=None`` (the default) is ``"goodput"``, or ``"noise_scale"`` where a ``factor`` is given: a setting
+    written before the goodput objective (``AdaptiveBatchSize(factor=2.0)``, in code or YAML) keeps meaning what it
+    meant.
+
     Raises:
         ValueError: an unknown ``objective``, ``factor <= 0``, or ``factor`` given with ``objective="goodput"``.
 
     Examples:
-        >>> check_objective("noise_scale", None)
-        ('noise_scale', 1.0)
+        >>> check_objective("noise_scale", None), check_objective(None, None), check_objective(None, 2.0)
+        (('noise_scale', 1.0), ('goodput', 1.0), ('noise_scale', 2.0))
     """
+    if objective is None:
+        objective = "goodput" if factor is None else "noise_scale"
     chosen: Objective = check_choice(
         objective, "objective", get_args(Objective), hint="'goodput' (the default) weighs the measured step cost."
     )
