@@ -545,7 +545,8 @@ def without_measured_memory(state: dict[str, Any]) -> dict[str, Any]:
     """A front end's state without the peaks split mode's planner measured (this process's memory, run to run)."""
     if "planner" not in state:
         return state
-    planner = {k: v for k, v in state["planner"].items() if k not in ("last_peak", "model")}
+    measured = ("last_peak", "model", "fitted", "swings")  # peaks, and the steps that fitted or swung by them
+    planner = {k: v for k, v in state["planner"].items() if k not in measured}
     return {**state, "planner": planner}
 
 
