@@ -87,10 +87,10 @@ def _training_process_lines(result: TokenProbeResult) -> list[str]:
             f"For what a training process holds beyond the probe's (a Trainer, its loggers), the token budget below"
             f" keeps {format_size(result.process_overhead_bytes)} more free, as given (`--process-overhead`)."
         ]
+    why = "it could not be measured" if result.process_overhead_source == "unmeasured" else "`--process-overhead 0`"
     return [
         "A training process also holds what the probe does not (the Trainer, its loggers, the step batch), and none"
-        " of it is kept free here (`--process-overhead 0`): should it pass the budget, the planner shrinks from the"
-        " first step."
+        f" of it is kept free here ({why}): should it pass the budget, the planner shrinks from the first step."
     ]
 
 

@@ -139,7 +139,8 @@ class TokenProbeResult:
         process_overhead_bytes: on the CPU, what a training process holds beyond the probe's process before any
             tensor (a Trainer, its loggers, the monitor), kept free of the budget too.
         process_overhead_source: where `process_overhead_bytes` came from, for the findings: ``"measured"``,
-            ``"given"``, or ``None`` where none is kept (no budget, or live tensors are the measure).
+            ``"given"``, ``"unmeasured"`` (the measurement failed: 0 kept), or ``None`` where none is kept (no budget,
+            given 0, or live tensors are the measure).
         training_process_bytes: when measured, the peak resident set of a fresh process that trained a tiny model
             under a Trainer (`lightning_accum.probe.training_process`).
         by_hand_process_bytes: when measured, the same for a process that stepped that model by hand.

@@ -24,6 +24,7 @@ against split mode by samples (`TokenProbeResult.step_batch`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -244,7 +245,16 @@ def _keep_for_training_process(result: TokenProbeResult, overhead: int | str | N
     if overhead != "measure":
         result.process_overhead_bytes, result.process_overhead_source = int(overhead), "given"
         return result
-    measured = measure_training_process()
+    try:
+        measured = measure_training_process()
+    except RuntimeError as err:  # the numbers measured so far stand; what a training process adds is left unknown
+        warnings.warn(
+            f"What a training process holds beyond the probe's could not be measured ({err}); the token budget keeps"
+            " nothing free for it. Pass `process_overhead` (`--process-overhead`), e.g. 64 MiB.",
+            stacklevel=3,
+        )
+        result.process_overhead_source = "unmeasured"
+        return result
     result.process_overhead_bytes, result.process_overhead_source = measured.overhead_bytes, "measured"
     result.training_process_bytes, result.by_hand_process_bytes = measured.trainer_bytes, measured.by_hand_bytes
     result.training_loggers = measured.loggers

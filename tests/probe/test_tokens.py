@@ -303,3 +303,19 @@ def test_a_given_process_overhead_is_kept_without_measuring(monkeypatch, given, 
         assert any("keeps 3.00 MiB more free, as given" in line for line in present.findings(result))
     else:
         assert any("none of it is kept free here (`--process-overhead 0`)" in line for line in present.findings(result))
+
+
+def test_a_training_process_that_cannot_be_measured_is_a_warning_not_a_failure(monkeypatch):
+    import lightning_accum.probe.tokens as tokens
+
+    def fails():
+        raise RuntimeError("the trainer process failed (exit 1): ImportError")
+
+    monkeypatch.setattr(tokens, "measure_training_process", fails)
+    grid = {"batch_size": 8, "sequence_lengths": (16, 32), "fit_micro_batch_sizes": (1, 2)}
+    match = r"could not be measured \(the trainer process failed .*Pass `process_overhead`"
+    with pytest.warns(UserWarning, match=match):
+        result = probe_tokens(TokenLM, _data(), **grid, budget_bytes=2**30)
+    assert (result.process_overhead_bytes, result.process_overhead_source) == (0, "unmeasured")
+    assert result.fitting_micro_batch_tokens is not None
+    assert any("none of it is kept free here (it could not be measured)" in line for line in present.findings(result))
