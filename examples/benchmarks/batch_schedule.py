@@ -296,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--vocab", type=int, default=32768, help="setting b's embedding rows (the data uses 64)")
     parser.add_argument("--out", default="/tmp/lightning_accum_batch_schedule")
+    parser.add_argument("--plot", type=Path, help="draw the held-out loss by samples and by training time here (png)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -319,6 +320,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(text, flush=True)
         report[key] = {"name": setting["name"], "target": TARGETS[key], "results": results, "table": text}
     (out / "results.json").write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}", flush=True)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Per setting: the held-out loss by samples seen and by training time, the first seed's run of every variant.
+
+    The target loss each time to target is read at is a dotted line; the adaptive schedule is drawn thick.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 4.2 * len(report)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(report), 2, squeeze=False)
+    for (by_samples, by_time), setting in zip(axes, report.values(), strict=True):
+        for i, (variant, runs) in enumerate(setting["results"].items()):
+            points = runs[0]["points"]  # (samples, steps, seconds, held-out loss)
+            style = {"color": f"C{i}", "lw": 2.4 if variant == "AdaptiveBatchSize()" else 1.0, "label": variant}
+            by_samples.plot([p[0] for p in points], [p[3] for p in points], **style)
+            by_time.plot([p[2] for p in points], [p[3] for p in points], **style)
+        for ax, label in ((by_samples, "samples seen (all ranks)"), (by_time, "training time (s)")):
+            ax.axhline(setting["target"], color="0.5", ls=":", lw=1)
+            ax.set(xlabel=label, ylabel="held-out loss", title=setting["name"])
+        by_time.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
