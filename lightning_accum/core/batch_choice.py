@@ -15,9 +15,11 @@ Its maximum over a continuous ``k`` is at ``k* = sqrt(s · B_noise / (n·W·c_mb
 larger ``k`` saves, and the noise scale says what it costs in samples. `choose_accumulation_steps` picks the whole
 ``k`` in the allowed range with the largest goodput, and moves only for a predicted gain of at least ``min_gain``.
 
-`StepClock` measures ``c_mb`` and ``s`` in the training process from the times at which the micro-batches' backwards
-start, and `StepCostAverage` smooths them; a front end passes the sums on, with the window's counts, in the all-reduce
-the window runs anyway, so every rank decides from the same figures and no collective is added.
+`StepClock` measures ``c_mb`` and ``s`` in the training process from the host's times at which the micro-batches are
+counted (no device sync is added: on the CPU these are the compute's times; on a GPU the host may run ahead within a
+window and wait at its close, so ``c_mb`` can read low and ``s`` high there, which no GPU run here has measured),
+and `StepCostAverage` smooths them; a front end passes the sums on, with the window's counts, in the all-reduce the
+window runs anyway, so every rank decides from the same figures and no collective is added.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def check_objective(objective: Any, factor: Any) -> tuple[Objective, float]:
 
 
 class StepClock:
-    """One rank's times between the starts of consecutive micro-batch backwards, split into a window's and a step's.
+    """One rank's host times between consecutive micro-batches, split into a window's and a step's.
 
     Between two micro-batches of one window lies one micro-batch (its data, forward and backward); between a window's
     last micro-batch and the next window's first lies one micro-batch and the step's fixed part (the sync in the last
