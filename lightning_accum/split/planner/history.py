@@ -29,7 +29,8 @@ class PlannerHistory:
     # shorter step, below the floor it has just announced.
     held_at_floor: int | None = None
     # Recent steps that peaked under the budget, as (size, longest sequence, peak): a peak over the budget at a size
-    # and length no larger than one of them did not come from the micro-batch (`PlannerHistory.fitted_above`).
+    # and length no larger than one of them, and within the swings of its peak, did not come from the micro-batch
+    # (`PlannerHistory.fitted_within_noise`).
     fitted: list[tuple[int, int, float]] = field(default_factory=list)
     # How far the peak moved between consecutive steps of one size, the 16 most recent: the measure's own noise. The
     # step being decided on is not among them (`pending_swing`): its own jump is what is judged against them.
