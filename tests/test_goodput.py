@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationMonitor, AccumulationScheduler, keys
 from lightning_accum.core.batch_choice import (
-    StepClock,
     StepCost,
     StepCostAverage,
     choose_accumulation_steps,
@@ -20,6 +19,7 @@ from lightning_accum.core.batch_choice import (
     optimal_accumulation_steps,
     statistical_efficiency,
 )
+from lightning_accum.core.step_clock import StepClock
 from lightning_accum.schedules import AdaptiveBatchSize, Progress
 from tests.helpers import (
     FP32,

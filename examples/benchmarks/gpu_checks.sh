@@ -10,9 +10,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))" | tee "$out/device.txt"
 
 # 1. Every GPU-marked test: 16-mixed with GradScaler (window and split mode), a real CUDA OOM recovered exactly,
-#    the CUDA memory backend. addopts is cleared so that doctests of the W&B modules are not imported.
-python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v --timeout=600 \
-    tests/callbacks tests/test_real_oom.py tests/memory \
+#    the CUDA memory backend, the goodput objective's step timings on the device's own timeline (-s prints them).
+#    addopts is cleared so that doctests of the W&B modules are not imported.
+python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -s --timeout=600 \
+    tests/callbacks tests/test_real_oom.py tests/memory tests/test_step_clock.py \
     tests/probe 2>&1 | tee "$out/gpu_tests.log"
 
 # 2. The memory question on the GPU, on the example model (the table for docs/memory.md).

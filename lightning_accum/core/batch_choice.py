@@ -15,18 +15,16 @@ Its maximum over a continuous ``k`` is at ``k* = sqrt(s · B_noise / (n·W·c_mb
 larger ``k`` saves, and the noise scale says what it costs in samples. `choose_accumulation_steps` picks the whole
 ``k`` in the allowed range with the largest goodput, and moves only for a predicted gain of at least ``min_gain``.
 
-`StepClock` measures ``c_mb`` and ``s`` in the training process from the host's times at which the micro-batches are
-counted (no device sync is added: on the CPU these are the compute's times; on a GPU the host may run ahead within a
-window and wait at its close, so ``c_mb`` can read low and ``s`` high there, which no GPU run here has measured),
-and `StepCostAverage` smooths them; a front end passes the sums on, with the window's counts, in the all-reduce the
-window runs anyway, so every rank decides from the same figures and no collective is added.
+`lightning_accum.core.step_clock` measures ``c_mb`` and ``s`` in the training process (the host's times on the CPU,
+events on the device's stream on a GPU, where the host runs ahead of the device), and `StepCostAverage` smooths them;
+a front end passes the sums on, with the window's counts, in the all-reduce the window runs anyway, so every rank
+decides from the same figures and no collective is added.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -198,57 +196,6 @@ def check_objective(objective: Any, factor: Any) -> tuple[Objective, float]:
             " leave `factor` out."
         )
     return chosen, check_number(1.0 if factor is None else factor, "factor", minimum=0.0, min_inclusive=False)
-
-
-class StepClock:
-    """One rank's host times between consecutive micro-batches, split into a window's and a step's.
-
-    Between two micro-batches of one window lies one micro-batch (its data, forward and backward); between a window's
-    last micro-batch and the next window's first lies one micro-batch and the step's fixed part (the sync in the last
-    backward, the optimizer step, ``zero_grad``). `tick` at each backward, `take` at each window's close.
-    ``restart`` forgets the last tick where the time up to the next one is not training (an epoch's end, a resume).
-
-    Examples:
-        >>> times = iter([0.0, 1.0, 2.0, 6.0, 7.0])  # windows of 3 and 2: micro-batches of 1 s, a step of 3 s
-        >>> clock = StepClock(now=lambda: next(times))
-        >>> for first in (True, False, False):
-        ...     clock.tick(first)
-        >>> clock.take()
-        (2.0, 2.0, 0.0, 0.0)
-        >>> for first in (True, False):
-        ...     clock.tick(first)
-        >>> clock.take()  # the crossing took 4 s, a micro-batch 1 s of it
-        (1.0, 1.0, 3.0, 1.0)
-    """
-
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
-        self._last: float | None = None
-        self._inner, self._inner_count = 0.0, 0
-        self._crossing: float | None = None
-
-    def restart(self) -> None:
-        """The time up to the next tick is not training: it measures nothing."""
-        self._last = None
-
-    def tick(self, first: bool) -> None:
-        """A micro-batch's backward starts; ``first``: the window's first."""
-        now = self._now()
-        if self._last is not None:
-            if first:
-                self._crossing = now - self._last
-            else:
-                self._inner += now - self._last
-                self._inner_count += 1
-        self._last = now
-
-    def take(self) -> tuple[float, float, float, float]:
-        """This window's ``(micro-batch seconds, micro-batches, overhead seconds, steps)``, to sum over ranks."""
-        inner, count, crossing = self._inner, self._inner_count, self._crossing
-        self._inner, self._inner_count, self._crossing = 0.0, 0, None
-        if crossing is None or count == 0:
-            return inner, float(count), 0.0, 0.0
-        return inner, float(count), max(0.0, crossing - inner / count), 1.0
 
 
 class StepCostAverage:

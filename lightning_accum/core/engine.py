@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_accum._util.distributed import HasRanks, max_across_ranks, sum_across_ranks_fn
 from lightning_accum.batches import BatchHooks, BatchSizeFn, SplitBatchFn, resolve_batch_hooks
-from lightning_accum.core.batch_choice import ScheduleFigures, StepClock
+from lightning_accum.core.batch_choice import ScheduleFigures
 from lightning_accum.core.learning_rate import lr_factor, scale_learning_rates
 from lightning_accum.core.noise_scale import NoiseScaleEstimator, WindowNoiseMeter
 from lightning_accum.core.normalization import (
@@ -40,6 +40,7 @@ from lightning_accum.core.normalization import (
     check_loss_reduction,
     count_items,
 )
+from lightning_accum.core.step_clock import DeviceStepClock, StepClock, clock_for
 from lightning_accum.core.step_report import AccumulationEvent, LossSum, Mode, StepReport
 from lightning_accum.items import resolve_counter
 from lightning_accum.schedules import AccumulationSchedule, AdaptiveSchedule, ConstantSchedule, Progress
@@ -322,7 +323,10 @@ class AccumulationEngine:
         self.hooks: BatchHooks = resolve_batch_hooks(None)
         self.consumed_samples = 0  # all ranks, since the start of training (restored on resume)
         self.consumed_items = 0.0  # the same, in items (tokens with a token counter)
-        self.clock = StepClock()  # the step's timings, for a schedule that weighs them (the goodput objective)
+        # The step's timings, for a schedule that weighs them (the goodput objective): the host's until the first window
+        # closes, then the clock of the parameters' device (`clock_for`: a GPU's own timeline).
+        self.clock: StepClock | DeviceStepClock = StepClock()
+        self._clock_device: torch.device | None = None
         self._clock_epoch: int | None = None
 
     def resolve_hooks(
@@ -419,6 +423,7 @@ class AccumulationEngine:
         if timings:
             self.schedule.observe_cost(totals.extra[len(extra) :])
             totals = dataclasses.replace(totals, extra=totals.extra[: len(extra)])
+            self._clock_on(parameters)
         noise = None
         if measure_noise:
             noise = self.noise.measure(
@@ -434,6 +439,12 @@ class AccumulationEngine:
         self.consumed_items += totals.items
         self.schedule.observe(totals, normalizer.micro_batches, ranks.world_size, noise)
         return ClosedWindow(totals, normalizer.micro_batches, noise, self.consumed_items, self.schedule.figures())
+
+    def _clock_on(self, parameters: list[Tensor]) -> None:
+        # From the second window on, time the micro-batches where they run (a GPU's stream, not the host's clock).
+        device = _device_of(parameters)
+        if device is not None and device != self._clock_device:
+            self._clock_device, self.clock = device, clock_for(device)
 
     # ---- checkpointing ----------------------------------------------------------------------------------------
 
@@ -456,3 +467,8 @@ class AccumulationEngine:
         self.normalizer.load_state_dict(state.get("normalizer", {}))
         self.noise.load_state_dict(state.get("noise_meter", {}))
         self.schedule.load_state_dict(state)
+
+
+def _device_of(parameters: Sequence[Tensor]) -> torch.device | None:
+    """The device of the first parameter (where the micro-batches run), or ``None`` for none."""
+    return parameters[0].device if parameters else None
