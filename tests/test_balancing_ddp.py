@@ -125,13 +125,16 @@ def test_dealt_by_cost_under_ddp_the_update_is_the_random_deals_and_the_full_bat
     waits = logged(tmp_path / "random", keys.SYNC_WAIT_SECONDS)
     assert len(waits) == len(per_step) and all(0 < w < 60 for w in waits)
     # Dealt by cost, the monitor's figure is the sampler's own price of its deal, at every step the OOM left alone
-    # (at step 1 the budget shrank for the retry: more passes than the sampler priced), and lower on the whole.
+    # (at step 1 the budget shrank for the retry: more passes than the sampler priced). What the deal lowers is the
+    # slowest rank's step, as the micro-batches each rank ran price it (runs of neighbouring lengths may leave the
+    # ranks further apart than the random deal, as long as the slowest is cheaper).
     by_cost = logged(tmp_path / "balanced", keys.RANK_IMBALANCE)
     price = balancing.StepCost(BUDGET, PASS_COST_TOKENS)
     shares = zip(balanced[0]["step_indices"], balanced[1]["step_indices"], strict=True)
     priced = [balancing.imbalance([price.of([LENGTHS[i] for i in share]) for share in step]) for step in shares]
     assert [by_cost[s] for s in (0, 2, 3)] == pytest.approx([priced[s] for s in (0, 2, 3)], rel=1e-9)
-    assert sum(by_cost) < sum(expected_imbalance)
+    slowest_by_cost = [max(step) for step in zip(*step_costs(balanced), strict=True)]
+    assert sum(slowest_by_cost[s] for s in (0, 2, 3)) < sum(max(per_step[s]) for s in (0, 2, 3))
     # Issue 37, item 2: where a balanced sampler deals the ranks, how far the measured compute strays from the price,
     # from the figures the step already gathers: the compute's imbalance (the slowest over the mean, so at least 1)
     # over the priced one, at every logged step.

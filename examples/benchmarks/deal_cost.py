@@ -1,6 +1,6 @@
 """What a step's deal costs every rank, by world size: priced by the cut, before and now, against by tokens alone.
 
-    OMP_NUM_THREADS=1 python examples/benchmarks/deal_cost.py [--before 41002c1] [--repeats 3] [--quick]
+    OMP_NUM_THREADS=1 python examples/benchmarks/deal_cost.py [--before c189abc] [--repeats 3] [--quick]
 
 Every rank computes each step's whole deal itself (`BalancedBatchSampler.deal`, no communication), in the process
 that iterates the sampler, so its time is paid on every rank at every step. Measured here, on the CPU, for a global
@@ -17,8 +17,8 @@ Three deals, side by side in one run: **before**, the deal priced by the cut as 
 ``micro_batch_tokens`` (`balancing.partition`, Karmarkar-Karp's or greedy's, whichever is better, greedy alone above
 `KARMARKAR_KARP_MAX`). Each is timed as the median of ``--repeats`` runs (one at 4096 ranks), and its deal priced
 as a rank's step is (`StepCost.of`): the slowest rank's price over the mean rank's (the simulated imbalance), and
-the slowest rank's price over the deal before's (below 1: a faster step). The last line is ``RESULT`` and the
-results as JSON. Timings on a shared machine are noisy: read the ratios.
+the slowest rank's price over the deal before's (below 1: a faster step: what the step costs is its slowest rank).
+The last line is ``RESULT`` and the results as JSON. Timings on a shared machine are noisy: read the ratios.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -42,8 +43,8 @@ from lightning_accum.sequences.balancing import StepCost
 
 RANKS = (8, 64, 512, 4096)
 PER_RANK = 8
-BEFORE = "41002c1"
-"""The last commit before issue 37's changes to the deal."""
+BEFORE = "c189abc"
+"""The last commit before the deal by runs: the deal that mixed lengths (greedy by price, then 16 rounds of moves)."""
 
 CASES: dict[str, tuple[dict[str, Any], StepCost]] = {
     "issue": ({"median": 200.0, "low": 16, "high": 2048, "sigma": 0.8}, StepCost(4096)),
@@ -57,21 +58,21 @@ def lognormal(n: int, seed: int, median: float, low: int, high: int, sigma: floa
 
 
 def deal_before(rev: str) -> Callable[[Sequence[int], int, StepCost], list[list[int]]] | None:
-    """The deal priced by the cut as commit ``rev`` made it, or ``None`` where git cannot show it."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        source = subprocess.run(
-            ["git", "show", f"{rev}:lightning_accum/sequences/balancing.py"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
+    """The deal priced by the cut as commit ``rev`` made it, or ``None`` where git cannot show it.
+
+    Its ``balancing.py`` is read from git, and so is each module of ``lightning_accum.sequences`` it imports (imported
+    under a name of their own, beside this checkout's).
+    """
+    source = _show(rev, "balancing.py")
+    if source is None:
         return None
-    module = types.ModuleType("_balancing_before")
-    sys.modules[module.__name__] = module  # dataclasses look their module up there
-    exec(compile(source, f"{rev}:balancing.py", "exec"), module.__dict__)
+    for name in sorted(set(re.findall(r"from lightning_accum\.sequences\.(\w+) import", source))):
+        imported = _show(rev, f"{name}.py")
+        if imported is None:
+            return None
+        _load(f"_before_{name}", imported, f"{rev}:{name}.py")
+        source = source.replace(f"lightning_accum.sequences.{name} import", f"_before_{name} import")
+    module = _load("_balancing_before", source, f"{rev}:balancing.py")
 
     def run(lengths: Sequence[int], parts: int, cost: StepCost) -> list[list[int]]:
         old_cost = module.StepCost(cost.micro_batch_tokens, cost.pass_cost_tokens, cost.quadratic)
@@ -80,13 +81,35 @@ def deal_before(rev: str) -> Callable[[Sequence[int], int, StepCost], list[list[
     return run
 
 
+def _show(rev: str, name: str) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return subprocess.run(
+            ["git", "show", f"{rev}:lightning_accum/sequences/{name}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _load(name: str, source: str, where: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses and imports look their module up there
+    exec(compile(source, where, "exec"), module.__dict__)
+    return module
+
+
 def timed(deal: Callable[[], list[list[int]]], repeats: int) -> tuple[float, list[list[int]]]:
-    """The median seconds of ``repeats`` runs of ``deal``, and its deal."""
+    """The median CPU seconds of ``repeats`` runs of ``deal`` (this process's: what the rank's process spends on it,
+    steadier than the wall clock on a shared machine), and its deal."""
     seconds, result = [], None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         result = deal()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(time.process_time() - start)
     assert result is not None
     return statistics.median(seconds), result
 
@@ -125,8 +148,6 @@ def row_of(
         seconds, results[name] = timed(deal, repeats)
         slowest, imbalance = priced(lengths, results[name], cost)
         row[name] = {"ms": seconds * 1e3, "slowest": slowest, "imbalance": imbalance}
-    if "before" in results:
-        row["same deal"] = results["before"] == results["now"]
     return row
 
 
@@ -139,19 +160,18 @@ def main() -> None:
     table = measure(args)
     print(
         "| case | ranks x per rank | before: ms a step | now: ms a step | by tokens: ms a step | now / by tokens"
-        " | imbalance before | imbalance now | imbalance by tokens | slowest now / before | same deal |"
+        " | imbalance before | imbalance now | imbalance by tokens | slowest now / before |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, row in table.items():
         case, shape = key.split(" ", 1)
         before, now, tokens = row.get("before"), row["now"], row["by tokens"]
         ms_before = f"{before['ms']:.1f}" if before else "-"
         imbalance_before = f"{before['imbalance']:.3f}" if before else "-"
         slowest = f"{now['slowest'] / before['slowest']:.3f}" if before else "-"
-        same = {True: "yes", False: "no"}.get(row.get("same deal"), "-")  # type: ignore[arg-type]
         print(
             f"| {case} | {shape} | {ms_before} | {now['ms']:.1f} | {tokens['ms']:.1f} | {now['ms'] / tokens['ms']:.1f}x"
-            f" | {imbalance_before} | {now['imbalance']:.3f} | {tokens['imbalance']:.3f} | {slowest} | {same} |"
+            f" | {imbalance_before} | {now['imbalance']:.3f} | {tokens['imbalance']:.3f} | {slowest} |"
         )
     print("RESULT " + json.dumps({"before": args.before, "per_rank": PER_RANK, "table": table}))
 

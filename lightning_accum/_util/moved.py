@@ -41,7 +41,6 @@ MOVED: dict[str, str] = {
     "lightning_accum.split.masks": "lightning_accum.sequences.masks",
     "lightning_accum.split.balanced_sampler": "lightning_accum.sequences.balanced_sampler",
     "lightning_accum.split.balancing": "lightning_accum.sequences.balancing",
-    "lightning_accum.split.share_prices": "lightning_accum.sequences.share_prices",
     "lightning_accum.split.pass_timing": "lightning_accum.sequences.pass_timing",
     # split mode's cold start is no part of the probe tool
     "lightning_accum.probe.preflight": "lightning_accum.split.preflight",

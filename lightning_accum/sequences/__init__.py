@@ -2,9 +2,10 @@
 
 ``padded`` reads a batch's padded sequences (`PaddedSequences`), ``masks`` every form of padding mask, ``token_cut``
 cuts a step batch by a token budget (the one cut: the balancing prices a share by the same), ``balanced_sampler`` and
-``balancing`` deal a global step batch by cost, ``priced_share`` prices a share as the greedy deal grows it,
-``share_prices`` prices many shares at once, and ``pass_timing`` measures what a pass costs on your model
-(`measure_step_cost`). Pure: no Trainer.
+``balancing`` deal a global step batch by cost (by the price of each rank's cut: ``run_deal`` in runs of neighbouring
+lengths, ``priced_share`` pricing a share as the deal that mixes lengths grows it, ``share_moves`` the moves that
+relieve the slowest rank), and ``pass_timing`` measures what a pass costs on your model (`measure_step_cost`). Pure:
+no Trainer.
 """
 
 from lightning_accum.sequences.balanced_sampler import BalancedBatchSampler

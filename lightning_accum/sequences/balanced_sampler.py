@@ -79,10 +79,10 @@ class BalancedBatchSampler(Sampler[list[int]]):
             `lightning_accum.sequences.balancing.sample_costs`); ``None`` counts tokens.
         micro_batch_tokens: the token budget split by tokens cuts each rank's share at (pass `AutoMicroBatching`'s
             ``micro_batch_tokens``). Given, each rank's step is priced as its cut costs (a fixed ``pass_cost_tokens``
-            per micro-batch plus its padded tokens): each sample, longest first, goes to the rank whose share is
-            cheapest so priced (`lightning_accum.sequences.balancing.greedy_by_price`), then moves and swaps refine the
-            deal (`lightning_accum.sequences.balancing.refine`). Tokens alone balance the tokens to about 1.01 but the
-            compute only to 1.04-1.06, as the ranks' pass counts differ. ``None``: deal by tokens.
+            per micro-batch plus its padded tokens, and the ``quadratic`` term), and the deal makes the slowest rank's
+            step as cheap as it finds: each rank a run of neighbouring lengths, which pads little and shares passes
+            (`lightning_accum.sequences.balancing.deal`). Tokens alone balance the tokens, not the passes. ``None``:
+            deal by tokens.
         pass_cost_tokens: a micro-batch pass's fixed cost in tokens
             (`lightning_accum.sequences.balancing.PASS_COST_TOKENS`, measured on a CPU, by default; measure yours with
             `lightning_accum.sequences.measure_step_cost`, on every rank).

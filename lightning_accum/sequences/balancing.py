@@ -33,13 +33,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from lightning_accum.sequences.priced_share import new_shares
-from lightning_accum.sequences.share_prices import share_prices
-from lightning_accum.sequences.token_cut import cut_groups
+from lightning_accum.sequences.run_deal import deal_by_runs
+from lightning_accum.sequences.share_moves import SharePrices, best_moves, relieve_the_slowest
+from lightning_accum.sequences.token_cut import cut_price
 
 Method = Literal["best", "karmarkar-karp", "greedy"]
 METHODS: tuple[Method, ...] = ("best", "karmarkar-karp", "greedy")
@@ -56,10 +57,6 @@ KARMARKAR_KARP_MAX = 1 << 16
 """``"best"`` runs Karmarkar-Karp only when samples x parts is at most this (4096 samples on 512 ranks took 6.7 s on
 this machine's CPU; greedy 0.01 s), greedy alone above it."""
 
-SWAPS = 3
-"""`refine` tries, for each sample of a heavy rank, the swaps with this many of its partner's (the nearest in length
-to what would meet in the middle)."""
-
 ROUNDS = 16
 """`refine` makes at most this many rounds of moves (each pairs every rank over the mean with a light one)."""
 
@@ -67,15 +64,14 @@ CLOSE_ENOUGH = 1.01
 """`refine` moves samples off the ranks over this factor of the mean (1%: inside timing noise); none over it: done."""
 
 PARTNERS = 8
-"""`_relieve_the_slowest` tries moves from the slowest rank to this many of the lightest."""
+"""`refine`'s relief of the slowest rank tries moves to this many of the lightest."""
 
 RELIEF_MOVES = 64
-"""`_relieve_the_slowest` makes at most this many moves (a bound on its time: a move is some 10 ms on 512 ranks; it
-stops sooner, at `CLOSE_ENOUGH`)."""
+"""`refine`'s relief of the slowest rank makes at most this many moves (it stops sooner, at `CLOSE_ENOUGH`)."""
 
-BATCHED_FROM = 256
-"""`refine` prices this many new shares or more in one batch (`share_prices`), fewer one by one: a batch costs 1.4-5 ms
-whatever its size here; 256 shares of 8 took 3.7 ms batched, 4.6 ms one by one (512: 4.4 and 8.4; 8: 2.6 and 0.12)."""
+BOTH_UP_TO = 64
+"""`deal` also makes the deal that mixes lengths (`greedy_by_price`, `refine`) for a step batch of up to this many
+samples, and keeps the one whose slowest rank is cheaper (see `deal`); above, the deal by runs alone."""
 
 
 def global_batches(size: int, batch_size: int, *, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:
@@ -234,31 +230,33 @@ class StepCost:
 
     def _of_ordered(self, ordered: Sequence[int]) -> float:
         # `of` for lengths already at least 1 and longest first, under a budget (the refinement's many prices).
-        total = 0.0
-        for start, stop in cut_groups(ordered, int(self.micro_batch_tokens or 0)):
-            rows, longest = stop - start, ordered[start]
-            total += self.pass_cost_tokens + rows * longest
-            if self.quadratic is not None:
-                total += rows * longest * longest / self.quadratic
-        return total
+        return cut_price(ordered, int(self.micro_batch_tokens or 0), self.pass_cost_tokens, self.quadratic)
 
 
 def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: StepCost | None = None) -> list[list[int]]:
-    """Positions of ``lengths`` dealt into ``parts`` ranks, the slowest step (by ``cost``) close to the mean.
+    """Positions of ``lengths`` dealt into ``parts`` ranks, the slowest rank's step (by ``cost``) as cheap as found.
 
-    When ``cost`` knows the passes: `greedy_by_price` (longest first to the rank whose share, priced by its real cut,
-    is cheapest), then `refine`. Otherwise `partition` by each sample's tokens with ``method``. Each part ascending;
-    every part holds a sample when there are at least ``parts``.
+    When ``cost`` knows the passes: the deal by runs (`lightning_accum.sequences.run_deal.deal_by_runs`: each rank a
+    run of neighbouring lengths, which pads little and shares passes, the slowest rank then relieved). For a step batch
+    of up to `BOTH_UP_TO` samples, also the deal that mixes lengths (`greedy_by_price`, then `refine`), which searches
+    more (a few ms there, seconds at thousands of samples), and the one whose slowest rank is cheaper (then whose
+    total is), runs on a tie. Otherwise `partition` by each sample's tokens with ``method``. Each part ascending; every
+    part holds a sample when there are at least ``parts``.
 
-    Started from the deal by tokens instead, the refinement stops short where whole passes must move between ranks:
-    on the rank-balance benchmark's lengths at 8 sequences per rank, 1.053 of the mean on 64 ranks and 1.115 on 512,
-    against 1.019 and 1.019 from the priced greedy deal after the rounds (and 1.027 against 1.013 on 8 ranks); the
-    slowest rank relieved after them, 1.010-1.012 on 64 and 1.015-1.017 on 512 (a pass at 161 tokens).
+    What a step costs is its slowest rank. On 480 simulated step batches (2 to 64 ranks, 2 to 16 sequences a rank,
+    four prices), the runs' slowest rank was 2% cheaper than the mixed deal's at the median, and up to 17% dearer in
+    47 of them, all at 64 samples or fewer but 4 (at most 6% dearer): hence both there. On the deal-cost benchmark's
+    cases at 64 to 4096 ranks, 6-13% cheaper, in a tenth of the time or less.
     """
     cost = cost or StepCost()
     if not cost.knows_passes:
         return partition(sample_costs(lengths, cost.quadratic), parts, method)
-    return refine(lengths, greedy_by_price(lengths, parts, cost), cost)
+    runs = deal_by_runs(lengths, parts, cost)
+    if len(lengths) > BOTH_UP_TO:
+        return runs
+    mixed = refine(lengths, greedy_by_price(lengths, parts, cost), cost)
+    price = SharePrices(lengths, cost)
+    return min((runs, mixed), key=lambda d: (max(price.many(d), default=0.0), sum(price.many(d))))
 
 
 def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[list[int]]:
@@ -294,7 +292,7 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
     its partner, or trading one for a shorter one of theirs (the `SWAPS` nearest in length to meeting in the middle),
     without the partner going over the heavy rank's cost before, the move that leaves the pair's dearer share
     cheapest is made. Rounds go on while a move is made, for at most `ROUNDS`. Then the slowest rank alone is relieved,
-    one move at a time, while it stands over `CLOSE_ENOUGH` times the mean (`_relieve_the_slowest`).
+    one move at a time, while it stands over `CLOSE_ENOUGH` times the mean (`share_moves.relieve_the_slowest`).
 
     A deal by tokens balances the tokens, not the passes: a rank whose share cuts into one more micro-batch pays one
     more pass's fixed cost, and its padding depends on which lengths share a micro-batch. Pricing each candidate by
@@ -308,7 +306,7 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
     """
     if cost.micro_batch_tokens is None:
         return [sorted(part) for part in deal]
-    price = _Prices(lengths, cost)
+    price = SharePrices(lengths, cost)
     shares = [list(part) for part in deal]
     loads = price.many(shares)
     for _ in range(ROUNDS):
@@ -317,150 +315,17 @@ def refine(lengths: Sequence[int], deal: Sequence[Sequence[int]], cost: StepCost
         by_load = sorted(range(len(shares)), key=lambda r: (-loads[r], r))
         heavy = [r for r in by_load if loads[r] > CLOSE_ENOUGH * mean]
         pairs = list(zip(heavy, reversed(by_load[len(heavy) :]), strict=False))
-        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for slow, light in pairs], price)
+        moves = best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for slow, light in pairs], price)
         for (slow, light), move in zip(pairs, moves, strict=True):
             if move is not None:
                 shares[slow], shares[light] = move.mine, move.theirs
                 loads[slow], loads[light] = move.prices
         if not any(moves):
             break
-    return _relieve_the_slowest(shares, loads, price)
-
-
-def _relieve_the_slowest(shares: list[list[int]], loads: list[float], price: _Prices) -> list[list[int]]:
-    """The slowest rank's share made cheaper, one move at a time, while it is over `CLOSE_ENOUGH` times the mean.
-
-    Each move is the best of `_best_moves` between the slowest rank and each of the `PARTNERS` lightest (the one that
-    leaves the pair's dearer share cheapest); it stops when no move lowers the slowest rank, or after
-    `RELIEF_MOVES` moves. `refine`'s rounds pair many ranks at once and stop while a few stand out;
-    this takes the few down (at 8 sequences a rank on the benchmark's lengths, 1.022-1.027 of the mean to
-    1.015-1.017 on 512 ranks, in under a second). ``shares`` and ``loads`` (their prices) are changed in place.
-    """
-    for _ in range(RELIEF_MOVES):
-        mean = sum(loads) / len(loads)
-        order = sorted(range(len(shares)), key=lambda r: (loads[r], r))
-        slow = order[-1]
-        if loads[slow] <= CLOSE_ENOUGH * mean:
-            break
-        partners = order[: min(PARTNERS, len(order) - 1)]  # never the slowest itself
-        moves = _best_moves([(shares[slow], shares[light], loads[slow], loads[light]) for light in partners], price)
-        best: tuple[_Move, int] | None = None
-        for move, light in zip(moves, partners, strict=True):
-            if move is not None and (best is None or _after(move.prices) < _after(best[0].prices)):
-                best = (move, light)
-        if best is None:
-            break
-        move, light = best
-        shares[slow], shares[light] = move.mine, move.theirs
-        loads[slow], loads[light] = move.prices
-    return [sorted(part) for part in shares]
-
-
-class _Prices:
-    """``cost.of`` of shares (positions into ``lengths``), a round's at once, kept by their sorted lengths (retried)."""
-
-    def __init__(self, lengths: Sequence[int], cost: StepCost) -> None:
-        self.lengths, self._cost, self._known = lengths, cost, dict[tuple[int, ...], float]()
-        self._at_least_one = [max(1, int(n)) for n in lengths]  # as `StepCost.of` counts them, normalized once
-
-    def key(self, part: Sequence[int]) -> tuple[int, ...]:
-        """What a share's price depends on: its lengths (at least 1 each), longest first."""
-        return tuple(sorted((self._at_least_one[i] for i in part), reverse=True))
-
-    def many(self, parts: Sequence[Sequence[int]]) -> list[float]:
-        return self.of_keys([self.key(part) for part in parts])
-
-    def of_keys(self, keys: Sequence[tuple[int, ...]]) -> list[float]:
-        unknown = list({key: None for key in keys if key not in self._known})
-        if len(unknown) < BATCHED_FROM:  # a batch's tensor work costs more than it saves (the same floats either way)
-            self._known.update((key, self._cost._of_ordered(key)) for key in unknown)
-        else:
-            prices = share_prices(
-                unknown,
-                budget=int(self._cost.micro_batch_tokens or 0),
-                pass_cost_tokens=self._cost.pass_cost_tokens,
-                quadratic=self._cost.quadratic,
-            )
-            self._known.update(zip(unknown, prices, strict=True))
-        return [self._known[key] for key in keys]
-
-    def exchanged(self, key: tuple[int, ...], out: int | None, into: int | None) -> tuple[int, ...]:
-        """``key`` with sample ``out``'s length taken out and ``into``'s put in, in order: a move's, unbuilt."""
-        rest = list(key)
-        if out is not None:
-            rest.remove(self._at_least_one[out])
-        if into is not None:
-            length, at = self._at_least_one[into], 0
-            while at < len(rest) and rest[at] >= length:
-                at += 1
-            rest.insert(at, length)
-        return tuple(rest)
-
-
-class _Move(NamedTuple):
-    """Two ranks' shares after a move, and their prices."""
-
-    mine: list[int]
-    theirs: list[int]
-    prices: tuple[float, float]
-
-
-def _after(prices: tuple[float, float]) -> tuple[float, float]:
-    """How good a move is: the dearer share's price after it, then the pair's sum (less is better)."""
-    return max(prices), prices[0] + prices[1]
-
-
-_Pair = tuple[list[int], list[int], float, float]
-"""A heavy rank's share and a light one's, and their prices."""
-
-
-def _best_moves(pairs: Sequence[_Pair], price: _Prices) -> list[_Move | None]:
-    """For each pair, the best move between them, or None if no move makes the heavy rank cheaper.
-
-    The move of one of the heavy rank's samples to the light one, or swap for a shorter one of theirs, that leaves the
-    pair's dearer share cheapest (then their sum), if it is below the heavy rank's price. Every pair's candidates are
-    priced in one batch.
-    """
-    lengths = price.lengths
-    candidates: list[tuple[int, int, int | None]] = []  # (pair, the heavy rank's sample, the light rank's or None)
-    keys: list[tuple[int, ...]] = []  # each candidate's heavy share's price key
-    light_keys: list[tuple[int, ...]] = []  # and its light share's
-    for k, (mine, theirs, peak, their_price) in enumerate(pairs):
-        target = (peak - their_price) / 2  # the tokens a move would shift to meet in the middle
-        others = sorted(_one_per_length(theirs, lengths), key=lambda i: (lengths[i], i))
-        mine_key, theirs_key = price.key(mine), price.key(theirs)
-        for a in _one_per_length(mine, lengths):
-            # Of the swaps, the ones whose length difference is nearest the target: a few, not every pair.
-            near = sorted(others, key=lambda i: (abs(lengths[a] - lengths[i] - target), i))[:SWAPS]
-            for b in [None, *near]:
-                if (b is None and len(mine) < 2) or (b is not None and lengths[b] >= lengths[a]):
-                    continue  # the slow rank keeps a sample; a longer sample in its place cannot make it cheaper
-                candidates.append((k, a, b))
-                keys.append(price.exchanged(mine_key, a, b))
-                light_keys.append(price.exchanged(theirs_key, b, a))
-    prices = price.of_keys(keys + light_keys)
-    chosen: list[tuple[int, int | None, tuple[float, float]] | None] = [None] * len(pairs)
-    for (k, a, b), left_price, right_price in zip(candidates, prices[: len(keys)], prices[len(keys) :], strict=True):
-        after, best = _after((left_price, right_price)), chosen[k]
-        if after[0] < pairs[k][2] * (1 - 1e-12) and (best is None or after < _after(best[2])):
-            chosen[k] = (a, b, (left_price, right_price))
-    moves: list[_Move | None] = []
-    for (mine, theirs, _, _), best in zip(pairs, chosen, strict=True):
-        if best is None:
-            moves.append(None)
-            continue
-        a, b, pair_prices = best
-        left = [i for i in mine if i != a] + ([] if b is None else [b])
-        moves.append(_Move(left, [i for i in theirs if i != b] + [a], pair_prices))
-    return moves
-
-
-def _one_per_length(part: Sequence[int], lengths: Sequence[int]) -> list[int]:
-    # Two samples of one length make the same candidates: try the first of each.
-    seen: dict[int, int] = {}
-    for i in part:
-        seen.setdefault(lengths[i], i)
-    return list(seen.values())
+    # Then the slowest rank alone, one move at a time, while it stands over `CLOSE_ENOUGH` times the mean: the rounds
+    # pair many ranks at once and stop while a few stand out (at 8 sequences a rank on the benchmark's lengths, 1.022-
+    # 1.027 of the mean to 1.015-1.017 on 512 ranks).
+    return relieve_the_slowest(shares, loads, price, partners=PARTNERS, moves=RELIEF_MOVES, until=CLOSE_ENOUGH)
 
 
 def imbalance(costs: Sequence[float]) -> float:
