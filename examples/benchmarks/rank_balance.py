@@ -349,19 +349,23 @@ def simulate(cost: StepCost, quick: bool) -> dict[str, dict[str, dict[str, float
     for ranks in SIM_RANKS[:2] if quick else SIM_RANKS:
         for per_rank in SIM_PER_RANK[:2] if quick else SIM_PER_RANK:
             steps = 2 if quick else max(2, min(20, 4096 // (ranks * per_rank)))
-            figures: dict[str, list[float]] = {"at random": [], "by cost": [], "bound": []}
+            figures: dict[str, list[float]] = {"at random": [], "by cost": [], "bound": [], "slowest vs random": []}
             for step in range(steps):
                 lengths = lognormal_lengths(ranks * per_rank, seed=1000 + step)
                 batch = list(range(len(lengths)))
                 sampler = BalancedBatchSampler(
                     lengths, len(lengths), num_replicas=ranks, rank=0, **sampler_kwargs(cost)
                 )
+                slowest = {}
                 for name, deal in (
                     ("at random", _StrideDeal.deal(sampler, batch, ranks)),
                     ("by cost", sampler.deal(batch, ranks)),
                 ):
                     steps_s = [cost.of([lengths[i] for i in part]) for part in deal]
                     figures[name].append(balancing.imbalance(steps_s))
+                    slowest[name] = max(steps_s)
+                # What the step costs: the slowest rank's price, dealt by cost over dealt at random.
+                figures["slowest vs random"].append(slowest["by cost"] / slowest["at random"])
                 # No deal does better than the dearest sample alone on one rank, nor than the mean.
                 mean = statistics.mean(steps_s)
                 figures["bound"].append(max(mean, max(cost.of([n]) for n in lengths)) / mean)
@@ -417,12 +421,12 @@ def main() -> None:
     sim = simulate(cost, args.quick)
     wall["simulated"] = time.perf_counter() - clock
     print(
-        "\n| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) | best any deal can do: the dearest sample alone / mean (worst) |"  # noqa: E501 (a table row)
+        "\n| ranks x per rank | at random: slowest / mean (worst) | by cost: slowest / mean (worst) | the dearest sample alone / by cost's mean (worst) | by cost's slowest / at random's (worst) |"  # noqa: E501 (a table row)
     )
-    print("|---|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|")
     for key, row in sim.items():
         print(
-            f"| {key} | {row['at random']['mean']:.3f} ({row['at random']['max']:.3f}) | {row['by cost']['mean']:.3f} ({row['by cost']['max']:.3f}) | {row['bound']['mean']:.3f} ({row['bound']['max']:.3f}) |"  # noqa: E501 (a table row)
+            f"| {key} | {row['at random']['mean']:.3f} ({row['at random']['max']:.3f}) | {row['by cost']['mean']:.3f} ({row['by cost']['max']:.3f}) | {row['bound']['mean']:.3f} ({row['bound']['max']:.3f}) | {row['slowest vs random']['mean']:.3f} ({row['slowest vs random']['max']:.3f}) |"  # noqa: E501 (a table row)
         )
     print(
         "RESULT "

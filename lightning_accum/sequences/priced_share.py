@@ -1,4 +1,4 @@
-"""A rank's share priced by its cut as sequences join it, longest first: `PricedShare`, the greedy deal's ledger. Pure.
+"""A rank's share priced by its cut as sequences join it, longest first: `PricedShare`, the mixed deal's ledger. Pure.
 
 `lightning_accum.sequences.balancing.greedy_by_price` prices a share every time a sequence joins it (thousands a
 step on hundreds of ranks). Cut from scratch (`token_cut.cut_groups`, from the shortest sequence back) each price is a

@@ -49,6 +49,7 @@ def test_the_quick_run_is_exact_and_balances_the_fitted_cost():
     for row in result["simulated"].values():
         assert row["by cost"]["mean"] < row["at random"]["mean"]
         assert 1.0 <= row["bound"]["mean"] <= row["by cost"]["mean"] * (1 + 1e-12)  # no deal beats the dearest sample
+        assert 0 < row["slowest vs random"]["mean"] < 1.0  # the step itself: cheaper dealt by cost
     assert out.count("| per rank | deal |") == 1 and out.count("| ranks x per rank |") == 1
 
     # The sampler deals by the cut at the benchmark's budget, with the step cost measure_step_cost fitted on this
