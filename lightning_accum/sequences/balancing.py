@@ -256,7 +256,12 @@ def deal(lengths: Sequence[int], parts: int, method: Method = "best", cost: Step
         return runs
     mixed = refine(lengths, greedy_by_price(lengths, parts, cost), cost)
     price = SharePrices(lengths, cost)
-    return min((runs, mixed), key=lambda d: (max(price.many(d), default=0.0), sum(price.many(d))))
+    (runs_prices, mixed_prices) = (price.many(runs), price.many(mixed))
+    runs_first = (max(runs_prices, default=0.0), sum(runs_prices)) <= (
+        max(mixed_prices, default=0.0),
+        sum(mixed_prices),
+    )
+    return runs if runs_first else mixed
 
 
 def greedy_by_price(lengths: Sequence[int], parts: int, cost: StepCost) -> list[list[int]]:

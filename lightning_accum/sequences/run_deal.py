@@ -80,7 +80,7 @@ def _run_starts(ordered: list[int], parts: int, cost: Pricing) -> list[int]:
     """Where each run starts in ``ordered`` (longest first): at most ``parts`` runs, the dearest's bound least."""
     if not ordered:
         return []
-    lower = _bound(ordered, 0, 1, cost)  # the run of the longest sequence costs at least it alone
+    lower = cost.pass_cost_tokens + _row(ordered[0], cost)  # the run of the longest sequence costs it alone at least
     upper = 2 * lower
     while (starts := _scan(ordered, upper, parts, cost)) is None:
         upper *= 2
@@ -111,11 +111,11 @@ def _run_end(ordered: list[int], start: int, cap: float, cost: Pricing) -> int:
     The bound prices the run as micro-batches of as many rows of the longest sequence as the budget holds, each
     padded to its first (longest) sequence: a cut the real one costs no more than by the cut's own measure.
     """
-    budget, pass_cost, quadratic = int(cost.micro_batch_tokens or 0), cost.pass_cost_tokens, cost.quadratic
+    budget, pass_cost = int(cost.micro_batch_tokens or 0), cost.pass_cost_tokens
     total, end = 0.0, start
     while end < len(ordered):
         longest = ordered[end]
-        per_row = longest + (longest * longest / quadratic if quadratic is not None else 0.0)
+        per_row = _row(longest, cost)
         fits = max(1, budget // longest)  # rows of this length in one micro-batch
         room = cap - total - pass_cost
         rows = min(len(ordered) - end, fits, math.floor(room / per_row) if room > 0 else 0)
@@ -128,16 +128,9 @@ def _run_end(ordered: list[int], start: int, cap: float, cost: Pricing) -> int:
     return max(end, start + 1)
 
 
-def _bound(ordered: list[int], start: int, end: int, cost: Pricing) -> float:
-    """`_run_end`'s bound on the price of the run ``ordered[start:end]``."""
-    budget, pass_cost, quadratic = int(cost.micro_batch_tokens or 0), cost.pass_cost_tokens, cost.quadratic
-    total, at = 0.0, start
-    while at < end:
-        longest = ordered[at]
-        rows = min(end - at, max(1, budget // longest))
-        total += pass_cost + rows * (longest + (longest * longest / quadratic if quadratic is not None else 0.0))
-        at += rows
-    return total
+def _row(length: int, cost: Pricing) -> float:
+    """What one row of ``length`` tokens adds to a micro-batch's price: its tokens and attention's term."""
+    return length + (length * length / cost.quadratic if cost.quadratic is not None else 0.0)
 
 
 def _givers(mine: list[int], lengths: Sequence[int], target: float) -> list[int]:
