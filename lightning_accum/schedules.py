@@ -23,12 +23,16 @@ from lightning_accum._util.cli_types import (
 )
 from lightning_accum._util.validation import K_HINT, check_bool, check_choice, check_int, check_milestones, check_number
 from lightning_accum.core.batch_choice import (
+    COST_START_WINDOWS,
     ClampNote,
     Objective,
     ScheduleFigures,
+    StartPhase,
     StepCostAverage,
+    aimed_choice,
     allowed_range,
     check_objective,
+    cost_start,
     goodput_choice,
     optimal_accumulation_steps,
     statistical_efficiency,
@@ -152,12 +156,7 @@ class StepwiseSchedule:
 
     def accumulation_steps(self, progress: Progress) -> int:
         now = progress.value(self.unit)
-        k = 1
-        for start, value in self.milestones.items():
-            if start > now:
-                break
-            k = value
-        return k
+        return self.milestones[max(start for start in self.milestones if start <= now)]  # 0 is always a key
 
     def __repr__(self) -> str:
         scaling = "" if self.lr_scaling is None else f", lr_scaling={self.lr_scaling!r}"
@@ -246,6 +245,10 @@ class BatchSizeRamp:
         )
 
 
+# `AdaptiveBatchSize`'s plain attributes that a checkpoint carries, saved under their names without the "_".
+_ADAPTIVE_STATE = ("_k", "_changed_at", "_items_per_micro_batch", "_noise_scale", "target", "reason", "_phase")
+
+
 class AdaptiveBatchSize:
     """``k`` from the measured gradient noise scale and, by default, the measured cost of a step.
 
@@ -257,7 +260,9 @@ class AdaptiveBatchSize:
     * ``"goodput"`` (the default): the ``k`` of the largest items per second times statistical efficiency (Pollux,
       OSDI 2021), from the measured time of a micro-batch and of the step's fixed part (sync, optimizer, ``zero_grad``):
       a global batch near ``B* = sqrt(B_noise · s / c)`` (`lightning_accum.core.batch_choice`). It moves only for a
-      predicted gain of ``min_gain`` or more.
+      predicted gain of ``min_gain`` or more. First, after 4 timed windows, it takes the ``k`` whose micro-batches
+      take as long as the step's fixed part (at least half the best goodput whatever the noise scale; not bound by
+      ``max_growth``), which the first decision with the noise scale may take back down.
     * ``"noise_scale"``: ``k = factor · B_noise / (items per micro-batch · world size)``, moving only when the target
       is ``hysteresis`` away from ``k``.
 
@@ -271,7 +276,8 @@ class AdaptiveBatchSize:
     on from the saved timings, while the rest of the run's clock is its own.
 
     Args:
-        min_accumulation_steps: ``k`` while the estimate warms up, and the smallest ``k``.
+        min_accumulation_steps: the first ``k`` (while the step is timed, or the noise scale warms up), and the
+            smallest ``k``.
         max_accumulation_steps: the largest ``k``.
         objective: ``"goodput"`` or ``"noise_scale"`` (above); by default goodput, or noise_scale with a ``factor``.
         factor: ``objective="noise_scale"`` only: the target global batch as a multiple of the noise scale (1.0).
@@ -339,6 +345,9 @@ class AdaptiveBatchSize:
         self.estimator = NoiseScaleEstimator(beta)
         self.step_cost = StepCostAverage()
         self._k = self.min_k
+        # goodput: "timing" until the first k from the step's cost alone, "guessed" while that k is unchecked by the
+        # noise scale (which may take it back down once), then "noise"
+        self._phase: StartPhase = "timing" if self.objective == "goodput" else "noise"
         self._changed_at = 0  # the estimator's window count at the last change of k
         self._items_per_micro_batch: float | None = None  # per rank, smoothed
         self._noise_scale: float | None = None  # the last valid (finite, positive) smoothed noise scale, held
@@ -365,11 +374,8 @@ class AdaptiveBatchSize:
         if noise is not None:
             self.estimator.add_estimates(*noise)
         if micro_batches > 0 and items > 0:
-            per_micro_batch = items / (micro_batches * world_size)
-            previous = self._items_per_micro_batch
-            self._items_per_micro_batch = (
-                per_micro_batch if previous is None else 0.9 * previous + 0.1 * per_micro_batch
-            )
+            now, before = items / (micro_batches * world_size), self._items_per_micro_batch
+            self._items_per_micro_batch = now if before is None else 0.9 * before + 0.1 * now
         self._world_size = world_size
         self._k = self._decide(world_size)
 
@@ -378,22 +384,27 @@ class AdaptiveBatchSize:
         if math.isfinite(estimate.gradient_noise_scale) and estimate.gradient_noise_scale > 0:
             self._noise_scale = estimate.gradient_noise_scale
         noise, n, cost = self._noise_scale, self._items_per_micro_batch, self.step_cost.value()
+        if self._phase == "timing":
+            if cost is None or self.step_cost.windows < COST_START_WINDOWS:
+                return self._k
+            k, self.reason = cost_start(self._k, self.min_k, self.max_k, cost)
+            self._phase = "guessed" if k != self._k else "noise"
+            return k
         if noise is None or not n or (self.objective == "goodput" and cost is None):
             return self._k
-        if cost is not None and self.objective == "goodput":
-            self.target = optimal_accumulation_steps(cost, n, world_size, noise)
-        else:
-            self.target = self.factor * noise / (n * world_size)
+        weighed = cost if self.objective == "goodput" else None  # the step's cost, where the objective weighs it
+        aimed = self.factor * noise / (n * world_size)
+        self.target = aimed if weighed is None else optimal_accumulation_steps(weighed, n, world_size, noise)
         self._clamp.add(self.target, self.min_k, self.max_k)  # logs once where the bounds hold k for long
         if estimate.windows - self._changed_at < max(1, self.warmup_windows):
             return self._k
-        low, high = allowed_range(self._k, self.min_k, self.max_k, self.max_growth, self.allow_decrease)
-        if cost is not None and self.objective == "goodput":
-            k, why = goodput_choice(self._k, low, high, cost, n, world_size, noise, self.min_gain)
+        decrease = self.allow_decrease or self._phase == "guessed"
+        low, high = allowed_range(self._k, self.min_k, self.max_k, self.max_growth, decrease)
+        self._phase = "noise"
+        if weighed is not None:
+            k, why = goodput_choice(self._k, low, high, weighed, n, world_size, noise, self.min_gain)
         else:
-            k = min(high, max(low, round(self.target)))
-            if abs(k - self._k) <= self.hysteresis * self._k:
-                return self._k
+            k = aimed_choice(self._k, low, high, self.target, self.hysteresis)
             why = f"noise scale {noise:.4g} items x {self.factor:g} / {n:.4g} items a micro-batch: k {self.target:.3g}"
         if k != self._k:
             self._changed_at, self.reason = estimate.windows, why
@@ -413,28 +424,19 @@ class AdaptiveBatchSize:
         return lr_factor(self.lr_scaling, before, after)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "k": self._k,
-            "changed_at": self._changed_at,
-            "items_per_micro_batch": self._items_per_micro_batch,
-            "estimator": self.estimator.state_dict(),
-            "noise_scale": self._noise_scale,
-            "target": self.target,
-            "clamp": self._clamp.state_dict(),
-            "step_cost": self.step_cost.state_dict(),
-            "reason": self.reason,
-        }
+        state = {name.lstrip("_"): getattr(self, name) for name in _ADAPTIVE_STATE}
+        parts: dict[str, Any] = {"estimator": self.estimator, "clamp": self._clamp, "step_cost": self.step_cost}
+        return state | {key: part.state_dict() for key, part in parts.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._k = int(state.get("k", self.min_k))
-        self._changed_at = int(state.get("changed_at", 0))
-        self._items_per_micro_batch = state.get("items_per_micro_batch")
+        for name in _ADAPTIVE_STATE[1:]:
+            setattr(self, name, state.get(name.lstrip("_"), getattr(self, name)))
         self.estimator.load_state_dict(state.get("estimator", {}))
-        self._noise_scale = state.get("noise_scale")
-        self.target = state.get("target")
         self._clamp.load_state_dict(state.get("clamp", {}))
         self.step_cost.load_state_dict(state.get("step_cost", {}))
-        self.reason = str(state.get("reason", ""))
+        if "phase" not in state and self._k != self.min_k:  # saved before the goodput start: past it
+            self._phase = "noise"
 
     def __repr__(self) -> str:
         chosen = f"factor={self.factor}" if self.objective == "noise_scale" else f"min_gain={self.min_gain}"

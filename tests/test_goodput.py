@@ -12,8 +12,10 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationMonitor, AccumulationScheduler, keys
 from lightning_accum.core.batch_choice import (
+    COST_START_WINDOWS,
     StepCost,
     StepCostAverage,
+    balanced_accumulation_steps,
     choose_accumulation_steps,
     goodput,
     optimal_accumulation_steps,
@@ -90,6 +92,66 @@ def test_the_schedule_settles_at_the_k_of_b_star(c_mb, s, n, world, noise):
     assert figures.step_overhead_seconds == pytest.approx(s)
 
 
+NOISE_SCALES = [2.0**e for e in range(-2, 24)]  # items: from far below one micro-batch to far above any batch
+
+
+def best_goodput(cost: StepCost, n: int, world: int, noise: float) -> float:
+    return max(goodput(k, cost, n, world, noise) for k in range(1, 4097))
+
+
+@pytest.mark.parametrize(("c_mb", "s", "n", "world"), [(0.005, 0.030, 8, 2), (0.001, 0.050, 4, 1), (0.01, 0.08, 16, 8)])
+def test_the_balanced_k_keeps_half_the_best_goodput_whatever_the_noise_scale(c_mb, s, n, world):
+    cost = StepCost(c_mb, s)
+    k = balanced_accumulation_steps(cost)
+    assert k == s / c_mb  # these step costs are whole multiples of a micro-batch
+    best = {noise: best_goodput(cost, n, world, noise) for noise in NOISE_SCALES}
+    worst = {
+        guess: min(goodput(guess, cost, n, world, noise) / best[noise] for noise in NOISE_SCALES)
+        for guess in (k // 2, k, 2 * k)
+    }
+    assert worst[k] >= 0.5 - 1e-9  # the minimax guarantee, over noise scales from 0.25 to 8 M items
+    assert worst[k // 2] < 0.5 and worst[2 * k] < 0.5, worst  # half or twice that k can lose more
+
+
+def test_a_cheap_step_keeps_the_smallest_k_until_the_noise_scale_is_known():
+    schedule = AdaptiveBatchSize(2, 64, warmup_windows=10)
+    for _ in range(COST_START_WINDOWS + 3):
+        schedule.observe_cost(0.010, 1, 0.004, 1)  # a micro-batch of 10 ms, a step of 4 ms
+        schedule.observe(items=16.0, micro_batches=2, world_size=1, noise=None)
+    assert schedule.accumulation_steps(Progress()) == 2 and schedule.reason == ""
+
+
+def start(schedule: AdaptiveBatchSize, cost: StepCost, windows: int, noise: tuple[float, float] | None = None) -> list:
+    path = []
+    for _ in range(windows):
+        k = schedule.accumulation_steps(Progress())
+        schedule.observe_cost(cost.micro_batch_seconds * (k - 1), k - 1, cost.overhead_seconds, 1)
+        schedule.observe(items=8.0 * k, micro_batches=k, world_size=1, noise=noise)
+        path.append(schedule.accumulation_steps(Progress()))
+    return path
+
+
+def test_a_dear_step_leaves_the_smallest_k_after_four_timed_windows_before_the_noise_scale_is_known():
+    schedule = AdaptiveBatchSize(2, 64, warmup_windows=10)
+    path = start(schedule, StepCost(0.005, 0.030), COST_START_WINDOWS + 6)  # no noise estimate at all
+    assert path == [2] * (COST_START_WINDOWS - 1) + [6] * 7, path  # once, at the 4th window: 30 ms / 5 ms
+    assert "before the noise scale is known" in schedule.reason and "k 6 spends as long" in schedule.reason
+    capped = AdaptiveBatchSize(2, 4, warmup_windows=10)
+    assert start(capped, StepCost(0.005, 0.030), COST_START_WINDOWS)[-1] == 4  # within the bounds
+    aimed = AdaptiveBatchSize(2, 64, objective="noise_scale", warmup_windows=10)
+    assert start(aimed, StepCost(0.005, 0.030), COST_START_WINDOWS + 2) == [2] * (COST_START_WINDOWS + 2)
+
+
+def test_the_first_noise_scale_may_take_the_guessed_k_back_down_once():
+    # A dear step guesses k = 20; a noise scale of 16 items puts the best k at sqrt(0.1 * 16 / (8 * 0.005)) = 6.3.
+    schedule = AdaptiveBatchSize(2, 64, warmup_windows=6, beta=0.0, max_growth=None)
+    path = start(schedule, StepCost(0.005, 0.100), 12, noise=(1.0, 16.0))
+    assert path[COST_START_WINDOWS - 1] == 20 and path[-1] in (6, 7), path
+    # Once checked by the noise scale, k goes down no more without allow_decrease.
+    path = start(schedule, StepCost(0.005, 0.100), 10, noise=(1.0, 1.0))
+    assert set(path) == {path[0]}, path
+
+
 def test_the_goodput_state_round_trips_and_a_restored_schedule_decides_alike():
     cost = StepCost(0.002, 0.05)
     schedule = AdaptiveBatchSize(2, 64, warmup_windows=3, beta=0.5)
@@ -100,6 +162,18 @@ def test_the_goodput_state_round_trips_and_a_restored_schedule_decides_alike():
         feed(target, 9, cost, 8, 256.0, k_used=4)
     assert restored.accumulation_steps(Progress()) == schedule.accumulation_steps(Progress()) > 2
     assert restored.state_dict() == schedule.state_dict()
+
+
+def test_a_checkpoint_from_before_the_goodput_start_resumes_past_it():
+    cost = StepCost(0.005, 0.100)  # the clock alone would take k = 20
+    saved = AdaptiveBatchSize(2, 64, warmup_windows=50).state_dict()
+    del saved["phase"]  # what a checkpoint written before the start carries
+    moved = AdaptiveBatchSize(2, 64, warmup_windows=50)
+    moved.load_state_dict(saved | {"k": 8})  # it had left the minimum: past the start, it stays at 8
+    assert start(moved, cost, COST_START_WINDOWS + 1) == [8] * (COST_START_WINDOWS + 1)
+    fresh = AdaptiveBatchSize(2, 64, warmup_windows=50)
+    fresh.load_state_dict(saved)  # still at the minimum: it takes the start
+    assert start(fresh, cost, COST_START_WINDOWS)[-1] == 20
 
 
 @pytest.mark.parametrize(
@@ -130,6 +204,16 @@ def test_the_clock_splits_a_step_into_micro_batches_and_the_fixed_part():
     clock.restart()  # an epoch's end: the time up to the next micro-batch is no step's
     clock.tick(True)
     assert clock.take() == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_a_slow_first_window_weighs_no_more_than_the_next_ones():
+    # The first timed window is often slow (allocations, the first collectives). Not debiased, an average that starts
+    # from it would still read 7.6 ms after four windows; debiased, the four weigh 0.73, 0.81, 0.9 and 1: 2.9 ms.
+    average = StepCostAverage(beta=0.9)
+    for micro in (0.010, 0.001, 0.001, 0.001):
+        average.add(micro, 1, 0.030, 1)
+    expected = (0.729 * 0.010 + (0.81 + 0.9 + 1.0) * 0.001) / (0.729 + 0.81 + 0.9 + 1.0)
+    assert average.value() == StepCost(pytest.approx(expected), pytest.approx(0.030))
 
 
 class SlowStepSGD(torch.optim.SGD):
@@ -170,7 +254,9 @@ def test_a_slow_step_makes_goodput_choose_a_larger_k_and_every_window_stays_exac
         assert_grads_close(model.step_grads, expected, **FP32)
     assert ends[0.04] > ends[0.0], ends
     changes = [r.getMessage() for r in caplog.records if "accumulation steps" in r.getMessage()]
-    assert changes and all("goodput: noise scale" in line and "step overhead" in line for line in changes), changes
+    assert changes and all("goodput" in line and "step overhead" in line for line in changes), changes
+    # With the slow step, k leaves 2 at the 4th timed window, before the noise scale is known, and says so.
+    assert any("at step 4 " in line and "before the noise scale is known" in line for line in changes), changes
 
 
 def test_the_monitor_logs_what_goodput_weighs(tmp_path):

@@ -32,6 +32,10 @@ from lightning_accum._util.log import log_info
 from lightning_accum._util.validation import check_choice, check_number
 
 Objective = Literal["goodput", "noise_scale"]
+StartPhase = Literal["timing", "guessed", "noise"]
+"""Where an adaptive schedule's goodput start stands: timing the step, on a ``k`` the cost alone chose, past both."""
+COST_START_WINDOWS = 4
+"""Timed windows before the goodput objective takes its first ``k`` from the step's cost alone."""
 CLAMP_NOTE_WINDOWS = 100
 """Windows in a row whose target lies outside ``[min, max]`` before `AdaptiveBatchSize` says which setting holds k."""
 
@@ -104,6 +108,42 @@ def optimal_accumulation_steps(
     return math.sqrt(max(cost.overhead_seconds, 0.0) * noise_scale / per_step)
 
 
+def balanced_accumulation_steps(cost: StepCost) -> int:
+    """The ``k`` whose micro-batches take as long as the step's fixed part: ``round(s / c_mb)``, at least 1.
+
+    Before the noise scale is known it is the safest ``k``: write ``x = k·c_mb / s`` and ``r = s / (c·B_noise)``;
+    the goodput is proportional to ``x / ((1 + x)(1 + r·x))``, whose best is at ``x = 1/sqrt(r)``. At ``x = 1`` it is
+    ``(1 + sqrt(r))² / (2(1 + r))`` of the best, never under one half, whatever ``B_noise`` is; any other ``x`` can
+    fall lower (towards ``x / (1 + x)`` for a huge noise scale, ``1 / (1 + x)`` for a tiny one). A whole ``k`` puts
+    ``x`` within ``c_mb / 2s`` of 1: at ``s / c_mb = 6.4``, ``k = 6``, ``x = 0.94``, at least 0.48 of the best.
+
+    Examples:
+        >>> balanced_accumulation_steps(StepCost(micro_batch_seconds=0.005, overhead_seconds=0.03))
+        6
+        >>> balanced_accumulation_steps(StepCost(micro_batch_seconds=0.02, overhead_seconds=0.004))  # a cheap step
+        1
+    """
+    if cost.micro_batch_seconds <= 0:
+        return 1
+    return max(1, round(cost.overhead_seconds / cost.micro_batch_seconds))
+
+
+def cost_start(current: int, minimum: int, maximum: int, cost: StepCost) -> tuple[int, str]:
+    """The goodput objective's first ``k`` (`balanced_accumulation_steps` in bounds, never below ``current``), and why.
+
+    Examples:
+        >>> cost_start(2, 2, 64, StepCost(micro_batch_seconds=0.005, overhead_seconds=0.03))[0]
+        6
+    """
+    k = min(maximum, max(minimum, current, balanced_accumulation_steps(cost)))
+    why = (
+        f"goodput, before the noise scale is known: step overhead {cost.overhead_seconds * 1e3:.3g} ms,"
+        f" {cost.micro_batch_seconds * 1e3:.3g} ms per micro-batch: k {k} spends as long on micro-batches as on the"
+        " step's fixed part, at least half the best goodput whatever the noise scale"
+    )
+    return k, why if k != current else ""
+
+
 @dataclass(frozen=True)
 class GoodputChoice:
     """What `choose_accumulation_steps` decided.
@@ -170,6 +210,17 @@ def goodput_choice(
     return choice.k, why
 
 
+def aimed_choice(current: int, low: int, high: int, target: float, hysteresis: float) -> int:
+    """``objective="noise_scale"``'s ``k``: ``target`` rounded into ``[low, high]``, unless within ``hysteresis``.
+
+    Examples:
+        >>> aimed_choice(4, 2, 8, target=4.9, hysteresis=0.25), aimed_choice(4, 2, 8, target=11.0, hysteresis=0.25)
+        (4, 8)
+    """
+    k = min(high, max(low, round(target)))
+    return current if abs(k - current) <= hysteresis * current else k
+
+
 def check_objective(objective: Any, factor: Any) -> tuple[Objective, float]:
     """``(objective, factor)`` of `lightning_accum.schedules.AdaptiveBatchSize`; only ``"noise_scale"`` takes a factor.
 
@@ -201,6 +252,8 @@ def check_objective(objective: Any, factor: Any) -> tuple[Objective, float]:
 class StepCostAverage:
     """The measured ``StepCost``, smoothed over windows (an exponential average, each part on its own).
 
+    The average is debiased as Adam's moments are: the first windows weigh alike, instead of the first one standing
+    for all the windows before it (a first window slowed by warm-up would hold the average for tens of windows).
     A window whose figure is more than ``outlier`` times the average (a validation run or a checkpoint between two
     micro-batches) is clipped to that, so one pause does not move ``k``.
 
@@ -209,29 +262,35 @@ class StepCostAverage:
         >>> average.add(4.0, 4, 2.0, 1)  # micro-batches of 1 s, a step of 2 s
         >>> average.add(6.0, 4, 4.0, 1)
         >>> average.value()
-        StepCost(micro_batch_seconds=1.25, overhead_seconds=3.0)
+        StepCost(micro_batch_seconds=1.3333333333333333, overhead_seconds=3.3333333333333335)
     """
 
     def __init__(self, beta: float = 0.9, outlier: float = 4.0, settle: int = 5) -> None:
         self.beta, self.outlier, self.settle = beta, outlier, settle
         self._micro: float | None = None
         self._overhead: float | None = None
+        self._weights = [0.0, 0.0]  # of each average: 1 - beta ** (its windows)
         self._windows = 0
 
     def add(self, micro_seconds: float, micro_batches: float, overhead_seconds: float, steps: float) -> None:
         """Add the sums of one window (over ranks): the figures are their means."""
         if micro_batches > 0:
-            self._micro = self._mix(self._micro, micro_seconds / micro_batches)
+            self._micro = self._mix(self._micro, micro_seconds / micro_batches, 0)
         if steps > 0:
-            self._overhead = self._mix(self._overhead, overhead_seconds / steps)
+            self._overhead = self._mix(self._overhead, overhead_seconds / steps, 1)
         self._windows += 1
 
-    def _mix(self, average: float | None, value: float) -> float:
-        if average is None:
-            return value
-        if self._windows >= self.settle and average > 0:
+    def _mix(self, average: float | None, value: float, part: int) -> float:
+        if self._windows >= self.settle and average is not None and average > 0:
             value = min(value, self.outlier * average)
-        return self.beta * average + (1.0 - self.beta) * value
+        kept = self.beta * self._weights[part]
+        self._weights[part] = kept + (1.0 - self.beta)
+        return (kept * (average or 0.0) + (1.0 - self.beta) * value) / self._weights[part]
+
+    @property
+    def windows(self) -> int:
+        """The windows added so far."""
+        return self._windows
 
     def value(self) -> StepCost | None:
         """The smoothed cost, or ``None`` before both parts were measured."""
@@ -240,11 +299,12 @@ class StepCostAverage:
         return StepCost(self._micro, self._overhead)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro": self._micro, "overhead": self._overhead, "windows": self._windows}
+        return {"micro": self._micro, "overhead": self._overhead, "windows": self._windows, "weights": self._weights}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._micro, self._overhead = state.get("micro"), state.get("overhead")
         self._windows = int(state.get("windows", 0))
+        self._weights = [float(w) for w in state.get("weights", (1.0, 1.0))]  # saved before: settled averages
 
 
 def allowed_range(
