@@ -67,19 +67,21 @@ class Probe(pl.Callback):
 
     def __init__(self, loss: Callable[[pl.LightningModule], float], every: int, world_size: int, file: Path) -> None:
         self.loss, self.every, self.world_size, self.file = loss, every, world_size, file
-        self.points: list[tuple[int, int, float, float]] = []  # (samples, steps, seconds, held-out loss)
+        # (samples, steps, seconds, held-out loss, CPU seconds of this process: rank 0's)
+        self.points: list[tuple[int, int, float, float, float]] = []
         self.samples, self._next, self._steps = 0, every, 0
-        self._start, self._paused = 0.0, 0.0
+        self._start, self._paused, self._cpu_start, self._cpu_paused = 0.0, 0.0, 0.0, 0.0
 
     def _record(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        pause = time.perf_counter()
+        pause, cpu_pause = time.perf_counter(), time.process_time()
         loss = self.loss(module)
-        seconds = pause - self._start - self._paused
-        self.points.append((self.samples, trainer.global_step, seconds, loss))
+        seconds, cpu = pause - self._start - self._paused, cpu_pause - self._cpu_start - self._cpu_paused
+        self.points.append((self.samples, trainer.global_step, seconds, loss, cpu))
         self._paused += time.perf_counter() - pause
+        self._cpu_paused += time.process_time() - cpu_pause
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
         self._record(trainer, pl_module)
 
     def on_train_batch_end(
@@ -256,29 +258,66 @@ def run(setting: dict[str, Any], schedule: Any, seed: int, out: Path) -> dict[st
     return result
 
 
-def reach(points: Sequence[tuple[int, int, float, float]], target: float) -> tuple[float, float]:
-    """The training seconds and optimizer steps at the first probe at or below ``target`` (nan: never)."""
-    for _, steps, seconds, loss in points:
-        if loss <= target:
-            return seconds, float(steps)
+WALL, CPU = 2, 4
+"""Where a probe's point holds the wall-clock training time, and rank 0's CPU time."""
+
+
+def reach(points: Sequence[Sequence[float]], target: float, clock: int = WALL) -> tuple[float, float]:
+    """The training seconds on ``clock`` and the optimizer steps at the first probe at or below ``target`` (nan: never).
+
+    Points recorded before the CPU time was (four figures a point) have no ``CPU`` clock: nan.
+    """
+    for point in points:
+        if point[3] <= target:
+            return (float(point[clock]) if clock < len(point) else math.nan), float(point[1])
     return math.nan, math.nan
 
 
+def best_fixed(results: dict[str, list[dict[str, Any]]], target: float, clock: int = WALL) -> str:
+    """The fixed ``k`` whose median time to ``target`` is shortest, among those that reach it in the most seeds."""
+
+    def rank(variant: str) -> tuple[int, float]:
+        times = [reach(r["points"], target, clock)[0] for r in results[variant]]
+        reached = [t for t in times if math.isfinite(t)]
+        return len(times) - len(reached), statistics.median(reached) if reached else math.inf
+
+    return min((v for v in results if v.startswith("k=")), key=rank)
+
+
+def paired_ratio(
+    results: dict[str, list[dict[str, Any]]], variant: str, best: str, target: float, clock: int = WALL
+) -> float:
+    """The median over seeds of ``variant``'s time to ``target`` over ``best``'s in the same seed (nan: one never).
+
+    Each seed runs every variant in turn, so a ratio within a seed sees the machine's load alike on both sides.
+    """
+    ratios = [
+        reach(mine["points"], target, clock)[0] / reach(theirs["points"], target, clock)[0]
+        for mine, theirs in zip(results[variant], results[best], strict=True)
+    ]
+    return math.nan if any(math.isnan(r) for r in ratios) else statistics.median(ratios)
+
+
 def table(name: str, results: dict[str, list[dict[str, Any]]], target: float) -> str:
+    """Medians over seeds, and each run's time to target over the best fixed ``k``'s, by the wall clock and by CPU."""
+    best = {clock: best_fixed(results, target, clock) for clock in (WALL, CPU)}
     lines = [
         f"**{name}**, target held-out loss {target} (median of {len(next(iter(results.values())))} seeds)",
         "",
-        "| run | held-out loss at equal samples | time to target (s) | steps to target | train time (s) | k |",
-        "|---|---:|---:|---:|---:|---|",
+        f"| run | held-out loss at equal samples | time to target (s) | / {best[WALL]}'s, paired by seed | CPU time to"
+        f" target (s) | / {best[CPU]}'s | steps to target | train time (s) | k |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for variant, runs in results.items():
         final = statistics.median(r["points"][-1][3] for r in runs)
-        hits = [reach(r["points"], target) for r in runs]
-        seconds = _median_or_never([h[0] for h in hits])
-        steps = _median_or_never([h[1] for h in hits])
+        cells = []
+        for clock in (WALL, CPU):
+            seconds = _median_or_never([reach(r["points"], target, clock)[0] for r in runs])
+            cells += [seconds, f"{paired_ratio(results, variant, best[clock], target, clock):.2f}"]
+        steps = _median_or_never([reach(r["points"], target)[1] for r in runs])
         train = statistics.median(r["points"][-1][2] for r in runs)
         paths = "; ".join(" → ".join(str(k) for k in r["k"]) for r in runs)  # each seed's path of k
-        lines.append(f"| {variant} | {final:.3f} | {seconds} | {steps} | {train:.1f} | {paths} |")
+        lines.append(f"| {variant} | {final:.3f} | {' | '.join(cells)} | {steps} | {train:.1f} | {paths} |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
-"""The batch-schedule benchmark's figure (issue 39, item 5), drawn from a report of its own shape (no training)."""
+"""The batch-schedule benchmark's figure and table (issue 39, item 5), from a report of its own shape (no training)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,27 @@ def test_the_figure_draws_every_variant_of_every_setting(tmp_path):
     path = tmp_path / "figure" / "batch_schedule.png"  # its folder made as it is written
     _benchmark().plot(report, path)
     assert path.stat().st_size > 10_000
+
+
+def test_the_table_pairs_each_run_with_the_best_fixed_k_in_its_own_seed():
+    def run(seconds: float, k: int = 1) -> dict:  # the target 1.9 is reached at the second point, at `seconds`
+        # (samples, steps, seconds, held-out loss, CPU seconds): the CPU clock reads half the wall clock
+        points = [[0, 0, 0.0, 2.3, 0.0], [512, 10, seconds, 1.8, seconds / 2], [1024, 20, 9, 1.7, 4.5]]
+        return {"points": points, "k": [k]}
+
+    # A machine twice as slow in seed 1: k=2 is best (median 4 s against 6 s), and adaptive is 10% and 20% behind it
+    # in its own seeds, though its median time (6.6 s) is 65% behind k=2's median.
+    results = {
+        "k=1": [run(6.0), run(12.0), run(5.0)],
+        "k=2": [run(3.0), run(6.0), run(4.0)],
+        "AdaptiveBatchSize()": [run(3.3), run(7.2), run(6.6)],
+        "k=4": [run(1.0), run(1.0), run(1.0)],
+    }
+    results["k=4"][1]["points"] = [[0, 0, 0.0, 2.3, 0.0], [512, 10, 1.0, 2.0, 0.5], [1024, 20, 9, 1.95, 4.5]]  # never
+    benchmark = _benchmark()
+    assert benchmark.best_fixed(results, 1.9) == "k=2"  # k=4, faster in two seeds, never reached it in the third
+    assert benchmark.paired_ratio(results, "AdaptiveBatchSize()", "k=2", 1.9) == pytest.approx(1.2)
+    text = benchmark.table("setting", results, 1.9)
+    assert "/ k=2's, paired by seed" in text and "| AdaptiveBatchSize() | 1.700 | 6.6 | 1.20 | 3.3 | 1.20 |" in text
+    old = [[0, 0, 0.0, 2.3], [512, 10, 2.0, 1.8]]  # points of four figures, recorded before the CPU clock
+    assert benchmark.reach(old, 1.9) == (2.0, 10.0) and math.isnan(benchmark.reach(old, 1.9, benchmark.CPU)[0])
