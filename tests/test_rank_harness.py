@@ -114,9 +114,15 @@ def test_ranks_started_by_start_ranks_fail_in_bounded_time_and_leave_no_process(
 def _fails_first_and_exits_last(rank: int, out_dir: str) -> None:
     """Rank 1 raises first but its process ends last (an exit that takes time, as a process group's teardown can);
     rank 0 raises 0.5 s later and ends at once: torch's launcher sees rank 0 end first and raises its error."""
+    failing = Path(out_dir, "rank1_failing")
     if rank == 1:
         atexit.register(time.sleep, 3.0)
+        failing.touch()
         raise RuntimeError("rank 1 failed first: the cause")
+    # Spawned ranks start seconds apart on a loaded machine: wait for rank 1's failure, not a fixed time from start.
+    deadline = time.monotonic() + 120
+    while not failing.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.5)
     raise RuntimeError("rank 0 failed after it: a consequence")
 
