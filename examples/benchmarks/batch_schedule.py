@@ -104,7 +104,9 @@ class Probe(pl.Callback):
                 if not owner.events
                 else [owner.events[0].before, *(e.after for e in owner.events)]
             )
-            self.file.write_text(json.dumps({"points": self.points, "steps": trainer.global_step, "k": ks}))
+            changes = [(e.step, e.after) for e in owner.events]  # from this optimizer step on, k is `after`
+            record = {"points": self.points, "steps": trainer.global_step, "k": ks, "changes": changes}
+            self.file.write_text(json.dumps(record))
 
 
 def _batch_size(batch: Any) -> int:
@@ -273,11 +275,60 @@ def reach(points: Sequence[Sequence[float]], target: float, clock: int = WALL) -
     return math.nan, math.nan
 
 
-def best_fixed(results: dict[str, list[dict[str, Any]]], target: float, clock: int = WALL) -> str:
+PRICED = -1
+"""Not a probe's clock: the steps to the target priced by `step_price` (`priced_reach`)."""
+
+
+def step_price(results: dict[str, list[dict[str, Any]]]) -> tuple[float, float]:
+    """``(s, c)`` of a step's wall time ``s + k·c``, fitted (least squares) to the fixed ``k`` runs' mean step times.
+
+    Each fixed run's mean step time is its training time over its optimizer steps, whole epoch; the median over seeds
+    is fitted. A steadier clock than one run's time to the target, which the machine's load moves by 20% and more.
+    """
+    ks, times = [], []
+    for variant, runs in results.items():
+        if variant.startswith("k="):
+            ks.append(float(variant[2:]))
+            times.append(statistics.median(r["points"][-1][2] / r["points"][-1][1] for r in runs))
+    mean_k, mean_t = statistics.fmean(ks), statistics.fmean(times)
+    slope = sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, times, strict=True)) / sum(
+        (k - mean_k) ** 2 for k in ks
+    )
+    return mean_t - slope * mean_k, slope
+
+
+def priced_reach(run: dict[str, Any], target: float, price: tuple[float, float]) -> float:
+    """The seconds to ``target`` if each optimizer step of ``run``'s ``k`` path cost ``s + k·c`` (nan: never).
+
+    ``run["changes"]`` gives the steps where ``k`` changed; a run recorded without them prices only a constant ``k``.
+    """
+    steps = reach(run["points"], target)[1]
+    changes = run.get("changes", [] if len(run["k"]) == 1 else None)
+    if math.isnan(steps) or changes is None:
+        return math.nan
+    overhead, per_micro_batch = price
+    k, seconds, upcoming = run["k"][0], 0.0, list(changes)
+    for step in range(int(steps)):
+        while upcoming and upcoming[0][0] <= step:
+            k = upcoming.pop(0)[1]
+        seconds += overhead + k * per_micro_batch
+    return seconds
+
+
+def seconds_to(run: dict[str, Any], target: float, clock: int, price: tuple[float, float] | None = None) -> float:
+    """``run``'s time to ``target`` on ``clock``: `WALL`, `CPU`, or `PRICED` (by ``price``, `step_price`'s)."""
+    if clock == PRICED:
+        return math.nan if price is None else priced_reach(run, target, price)
+    return reach(run["points"], target, clock)[0]
+
+
+def best_fixed(
+    results: dict[str, list[dict[str, Any]]], target: float, clock: int = WALL, price: tuple[float, float] | None = None
+) -> str:
     """The fixed ``k`` whose median time to ``target`` is shortest, among those that reach it in the most seeds."""
 
     def rank(variant: str) -> tuple[int, float]:
-        times = [reach(r["points"], target, clock)[0] for r in results[variant]]
+        times = [seconds_to(r, target, clock, price) for r in results[variant]]
         reached = [t for t in times if math.isfinite(t)]
         return len(times) - len(reached), statistics.median(reached) if reached else math.inf
 
@@ -285,35 +336,47 @@ def best_fixed(results: dict[str, list[dict[str, Any]]], target: float, clock: i
 
 
 def paired_ratio(
-    results: dict[str, list[dict[str, Any]]], variant: str, best: str, target: float, clock: int = WALL
+    results: dict[str, list[dict[str, Any]]],
+    variant: str,
+    best: str,
+    target: float,
+    clock: int = WALL,
+    price: tuple[float, float] | None = None,
 ) -> float:
     """The median over seeds of ``variant``'s time to ``target`` over ``best``'s in the same seed (nan: one never).
 
     Each seed runs every variant in turn, so a ratio within a seed sees the machine's load alike on both sides.
     """
     ratios = [
-        reach(mine["points"], target, clock)[0] / reach(theirs["points"], target, clock)[0]
+        seconds_to(mine, target, clock, price) / seconds_to(theirs, target, clock, price)
         for mine, theirs in zip(results[variant], results[best], strict=True)
     ]
     return math.nan if any(math.isnan(r) for r in ratios) else statistics.median(ratios)
 
 
 def table(name: str, results: dict[str, list[dict[str, Any]]], target: float) -> str:
-    """Medians over seeds, and each run's time to target over the best fixed ``k``'s, by the wall clock and by CPU."""
-    best = {clock: best_fixed(results, target, clock) for clock in (WALL, CPU)}
+    """Medians over seeds, and each run's time to target over the best fixed ``k``'s: wall clock, CPU, priced."""
+    price = step_price(results)
+    clocks = (WALL, CPU, PRICED)
+    best = {clock: best_fixed(results, target, clock, price) for clock in clocks}
     lines = [
-        f"**{name}**, target held-out loss {target} (median of {len(next(iter(results.values())))} seeds)",
+        f"**{name}**, target held-out loss {target} (median of {len(next(iter(results.values())))} seeds; a step"
+        f" priced at {price[0] * 1e3:.3g} ms + k x {price[1] * 1e3:.3g} ms)",
         "",
         f"| run | held-out loss at equal samples | time to target (s) | / {best[WALL]}'s, paired by seed | CPU time to"
-        f" target (s) | / {best[CPU]}'s | steps to target | train time (s) | k |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        f" target (s) | / {best[CPU]}'s | priced steps to target (s) | / {best[PRICED]}'s | steps to target"
+        " | train time (s) | k |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for variant, runs in results.items():
         final = statistics.median(r["points"][-1][3] for r in runs)
         cells = []
-        for clock in (WALL, CPU):
-            seconds = _median_or_never([reach(r["points"], target, clock)[0] for r in runs])
-            cells += [seconds, f"{paired_ratio(results, variant, best[clock], target, clock):.2f}"]
+        for clock in clocks:
+            if clock == PRICED and any("changes" not in r and len(r["k"]) > 1 for r in runs):
+                cells += ["n/a", "n/a"]  # recorded before the steps of each change were
+                continue
+            seconds = _median_or_never([seconds_to(r, target, clock, price) for r in runs])
+            cells += [seconds, f"{paired_ratio(results, variant, best[clock], target, clock, price):.2f}"]
         steps = _median_or_never([reach(r["points"], target)[1] for r in runs])
         train = statistics.median(r["points"][-1][2] for r in runs)
         paths = "; ".join(" → ".join(str(k) for k in r["k"]) for r in runs)  # each seed's path of k

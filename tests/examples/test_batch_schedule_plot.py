@@ -51,5 +51,23 @@ def test_the_table_pairs_each_run_with_the_best_fixed_k_in_its_own_seed():
     assert benchmark.paired_ratio(results, "AdaptiveBatchSize()", "k=2", 1.9) == pytest.approx(1.2)
     text = benchmark.table("setting", results, 1.9)
     assert "/ k=2's, paired by seed" in text and "| AdaptiveBatchSize() | 1.700 | 6.6 | 1.20 | 3.3 | 1.20 |" in text
+    assert "| AdaptiveBatchSize() | 1.700 | 6.6 | 1.20 | 3.3 | 1.20 | n/a | n/a |" not in text  # one k: priced
     old = [[0, 0, 0.0, 2.3], [512, 10, 2.0, 1.8]]  # points of four figures, recorded before the CPU clock
     assert benchmark.reach(old, 1.9) == (2.0, 10.0) and math.isnan(benchmark.reach(old, 1.9, benchmark.CPU)[0])
+
+
+def test_a_run_is_priced_step_by_step_along_its_path_of_k():
+    def run(k: int, seconds: float, changes: list | None = None) -> dict:  # 10 steps of `seconds` each
+        points = [[0, 0, 0.0, 2.3, 0.0], [512, 10, 10 * seconds, 1.8, 0.0]]
+        return {"points": points, "k": [k, *(after for _, after in changes or [])], "changes": changes or []}
+
+    # Fixed runs whose steps take exactly 0.05 + 0.01 k seconds: the fitted price is that line.
+    results = {f"k={k}": [run(k, 0.05 + 0.01 * k)] for k in (1, 2, 4, 8)}
+    benchmark = _benchmark()
+    overhead, per_micro_batch = benchmark.step_price(results)
+    assert (overhead, per_micro_batch) == (pytest.approx(0.05), pytest.approx(0.01))
+    # k = 2 for steps 0-3, 6 for steps 4-9: 4 steps of 0.07 s and 6 of 0.11 s to the target at step 10.
+    adaptive = run(2, 1.0, changes=[(4, 6)])
+    assert benchmark.priced_reach(adaptive, 1.9, (overhead, per_micro_batch)) == pytest.approx(4 * 0.07 + 6 * 0.11)
+    del adaptive["changes"]  # recorded before the steps of each change were: no price
+    assert math.isnan(benchmark.priced_reach(adaptive, 1.9, (overhead, per_micro_batch)))
