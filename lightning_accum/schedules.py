@@ -435,8 +435,8 @@ class AdaptiveBatchSize:
         self.estimator.load_state_dict(state.get("estimator", {}))
         self._clamp.load_state_dict(state.get("clamp", {}))
         self.step_cost.load_state_dict(state.get("step_cost", {}))
-        if "phase" not in state and self._k != self.min_k:  # saved before the goodput start: past it
-            self._phase = "noise"
+        if self.objective != "goodput" or ("phase" not in state and self._k != self.min_k):
+            self._phase = "noise"  # no start to wait for: another objective, or saved past it before it existed
 
     def __repr__(self) -> str:
         chosen = f"factor={self.factor}" if self.objective == "noise_scale" else f"min_gain={self.min_gain}"

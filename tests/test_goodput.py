@@ -176,6 +176,15 @@ def test_a_checkpoint_from_before_the_goodput_start_resumes_past_it():
     assert start(fresh, cost, COST_START_WINDOWS)[-1] == 20
 
 
+def test_a_goodput_checkpoint_resumed_under_the_noise_scale_objective_does_not_wait_for_a_clock():
+    saved = AdaptiveBatchSize(2, 64, warmup_windows=1).state_dict()  # still timing: no window seen
+    aimed = AdaptiveBatchSize(2, 64, objective="noise_scale", warmup_windows=1, beta=0.0)
+    aimed.load_state_dict(saved)
+    for _ in range(3):  # the noise-scale objective never times a step: it follows the noise scale, 160 / 16 = 10
+        aimed.observe(items=32.0, micro_batches=2, world_size=1, noise=(1.0, 160.0))
+    assert aimed.accumulation_steps(Progress()) > 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
