@@ -37,7 +37,7 @@ from lightning_accum.core.batch_choice import (
     optimal_accumulation_steps,
     statistical_efficiency,
 )
-from lightning_accum.core.learning_rate import LRScaling, check_lr_scaling, lr_factor
+from lightning_accum.core.learning_rate import AdaptiveLRScaling, LearningRateRule, LRScaling, check_lr_scaling
 from lightning_accum.core.noise_scale import NoiseScaleEstimator
 
 ScheduleUnit = Literal["epoch", "step", "sample"]
@@ -246,7 +246,8 @@ class BatchSizeRamp:
 
 
 # `AdaptiveBatchSize`'s plain attributes that a checkpoint carries, saved under their names without the "_".
-_ADAPTIVE_STATE = ("_k", "_changed_at", "_items_per_micro_batch", "_noise_scale", "target", "reason", "_phase")
+_ADAPTIVE_STATE: tuple[str, ...] = ("_k", "_changed_at", "_items_per_micro_batch", "_noise_scale", "target", "reason")
+_ADAPTIVE_STATE += ("_phase", "_world_size")
 
 
 class AdaptiveBatchSize:
@@ -254,30 +255,27 @@ class AdaptiveBatchSize:
 
     The gradient noise scale ``B_noise = tr(Σ)/|G|²`` (McCandlish et al., 2018) says what a larger batch costs in
     samples: an item in a global batch of ``B`` items makes ``1 / (1 + B / B_noise)`` of the progress it makes in a
-    very small one. This schedule measures it in every window (two gradient norms, `lightning_accum.core.noise_scale`)
-    and decides ``k`` after each optimizer step, by ``objective`` (see docs/noise-scale.md):
+    very small one. It is measured in every window (`lightning_accum.core.noise_scale`), and ``k`` decided after each
+    optimizer step by ``objective`` (docs/noise-scale.md):
 
     * ``"goodput"`` (the default): the ``k`` of the largest items per second times statistical efficiency (Pollux,
-      OSDI 2021), from the measured time of a micro-batch and of the step's fixed part (sync, optimizer, ``zero_grad``):
-      a global batch near ``B* = sqrt(B_noise · s / c)`` (`lightning_accum.core.batch_choice`). It moves only for a
-      predicted gain of ``min_gain`` or more. First, after 4 timed windows, it takes the ``k`` whose micro-batches
-      take as long as the step's fixed part (at least half the best goodput whatever the noise scale; not bound by
-      ``max_growth``), which the first decision with the noise scale may take back down.
+      OSDI 2021), from the measured time of a micro-batch and of the step's fixed part: a global batch near
+      ``B* = sqrt(B_noise · s / c)`` (`lightning_accum.core.batch_choice`), moving for a predicted gain of
+      ``min_gain`` or more. First, after 4 timed windows, it takes the ``k`` whose micro-batches take as long as the
+      step's fixed part (at least half the best goodput whatever the noise scale; not bound by ``max_growth``), which
+      the first decision with the noise scale may take back down.
     * ``"noise_scale"``: ``k = factor · B_noise / (items per micro-batch · world size)``, moving only when the target
       is ``hysteresis`` away from ``k``.
 
-    Either way ``k`` stays in ``[min_accumulation_steps, max_accumulation_steps]``, changes at window boundaries by at
-    most ``max_growth``, ``warmup_windows`` windows after the last change, and only upwards unless ``allow_decrease``.
-    Every rank decides alike (the timings ride in the window's all-reduce of its counts), and the change's log line
-    says why. ``min_accumulation_steps`` is at least 2 (at ``k = 1`` nothing is measured) and defaults to 2; while the
-    smoothed ``|G|²`` is not positive the last valid noise scale is held; where the target stays out of bounds for
-    100 windows in a row, one log line names the setting that holds ``k``. The state round-trips through
-    checkpoints: a resumed run with ``"noise_scale"`` takes the uninterrupted run's path; with ``"goodput"`` it goes
-    on from the saved timings, while the rest of the run's clock is its own.
+    ``k`` stays in ``[min_accumulation_steps, max_accumulation_steps]`` and changes at window boundaries, by at most
+    ``max_growth``, ``warmup_windows`` windows after the last change, only upwards unless ``allow_decrease``. Every
+    rank decides alike, and the change's log line says why. While the smoothed ``|G|²`` is not positive the last
+    valid noise scale is held; where the target stays out of bounds for 100 windows, one log line names the setting
+    that holds ``k``. The state round-trips through checkpoints: a resumed run with ``"noise_scale"`` takes the
+    uninterrupted run's path; with ``"goodput"`` it goes on from the saved timings (the clock is the run's own).
 
     Args:
-        min_accumulation_steps: the first ``k`` (while the step is timed, or the noise scale warms up), and the
-            smallest ``k``.
+        min_accumulation_steps: the first and smallest ``k`` (held while the step is timed or the noise scale warms up).
         max_accumulation_steps: the largest ``k``.
         objective: ``"goodput"`` or ``"noise_scale"`` (above); by default goodput, or noise_scale with a ``factor``.
         factor: ``objective="noise_scale"`` only: the target global batch as a multiple of the noise scale (1.0).
@@ -287,8 +285,10 @@ class AdaptiveBatchSize:
         allow_decrease: let ``k`` go down (by default it never does).
         max_growth: the largest factor by which one change multiplies (or divides) ``k``; ``None`` lets ``k`` jump
             straight to its target.
-        lr_scaling: when ``k`` changes, multiply the learning rate of every param group by ``k_new / k_old``
-            (``"linear"``) or its square root (``"sqrt"``); ``None`` leaves it alone.
+        lr_scaling: when ``k`` changes, multiply every param group's learning rate (and the LR schedulers' base
+            rates) by ``k_new / k_old`` (``"linear"``) or its square root (``"sqrt"``), or bring it to AdaScale's
+            gain ratio over ``min_accumulation_steps``' batch at the noise scale (``"gain"``, for SGD) or its square
+            root (``"sqrt_gain"``, the default, for Adam; `lightning_accum.core.learning_rate`); ``None`` leaves it.
         beta: the noise-scale moving average's decay per window.
 
     Raises:
@@ -320,33 +320,27 @@ class AdaptiveBatchSize:
         hysteresis: NonNegativeFloat = 0.25,
         allow_decrease: bool = False,
         max_growth: GrowthFactor | None = 2.0,
-        lr_scaling: LRScaling | None = None,
+        lr_scaling: AdaptiveLRScaling | None = "sqrt_gain",
         beta: Decay = 0.99,
     ) -> None:
-        self.min_k = check_int(
-            min_accumulation_steps,
-            "min_accumulation_steps",
-            minimum=2,
-            hint="A window of one micro-batch has one batch size, so the noise scale is never measured and k would"
-            " stay 1 for good. Use 2 (the default) or more.",
-        )
+        never = "A window of one micro-batch has one batch size, so the noise scale is never measured and k would"
+        never += " stay 1 for good. Use 2 (the default) or more."
+        self.min_k = check_int(min_accumulation_steps, "min_accumulation_steps", 2, hint=never)
         self.max_k = check_int(max_accumulation_steps, "max_accumulation_steps", minimum=self.min_k)
         self.objective, self.factor = check_objective(objective, factor)
         self.min_gain = check_number(min_gain, "min_gain", minimum=0.0, hint="0.05 moves k for a 5% predicted gain.")
         self.warmup_windows = check_int(warmup_windows, "warmup_windows", minimum=0)
         self.hysteresis = check_number(hysteresis, "hysteresis", minimum=0.0)
         self.allow_decrease = check_bool(allow_decrease, "allow_decrease")
-        if max_growth is not None:
-            max_growth = check_number(
-                max_growth, "max_growth", 1.0, min_inclusive=False, hint="Or None to let k jump to its target."
-            )
-        self.max_growth: float | None = max_growth
-        self.lr_scaling: LRScaling | None = check_lr_scaling(lr_scaling)
+        jump, growth = "Or None to let k jump to its target.", max_growth
+        growth = None if growth is None else check_number(growth, "max_growth", 1.0, min_inclusive=False, hint=jump)
+        self.max_growth: float | None = growth
+        self.lr_scaling: AdaptiveLRScaling | None = check_lr_scaling(lr_scaling, noise_scale=True)
+        self._lr = LearningRateRule(self.lr_scaling, self.min_k)
         self.estimator = NoiseScaleEstimator(beta)
         self.step_cost = StepCostAverage()
         self._k = self.min_k
-        # goodput: "timing" until the first k from the step's cost alone, "guessed" while that k is unchecked by the
-        # noise scale (which may take it back down once), then "noise"
+        # goodput: "timing" (until a k from the step's cost alone), "guessed" (the noise scale may undo it), "noise"
         self._phase: StartPhase = "timing" if self.objective == "goodput" else "noise"
         self._changed_at = 0  # the estimator's window count at the last change of k
         self._items_per_micro_batch: float | None = None  # per rank, smoothed
@@ -421,12 +415,17 @@ class AdaptiveBatchSize:
 
     def lr_factor(self, before: int, after: int) -> float:
         """What the learning rate is multiplied by when ``k`` goes from ``before`` to ``after``."""
-        return lr_factor(self.lr_scaling, before, after)
+        return self._lr.factor(before, after, self._noise_steps())
+
+    def _noise_steps(self) -> float | None:
+        """The held noise scale in micro-steps (all ranks), where known."""
+        noise, n = self._noise_scale, self._items_per_micro_batch
+        return None if noise is None or not n else noise / (n * self._world_size)
 
     def state_dict(self) -> dict[str, Any]:
         state = {name.lstrip("_"): getattr(self, name) for name in _ADAPTIVE_STATE}
         parts: dict[str, Any] = {"estimator": self.estimator, "clamp": self._clamp, "step_cost": self.step_cost}
-        return state | {key: part.state_dict() for key, part in parts.items()}
+        return state | {key: part.state_dict() for key, part in parts.items()} | {"lr": self._lr.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._k = int(state.get("k", self.min_k))
@@ -435,6 +434,7 @@ class AdaptiveBatchSize:
         self.estimator.load_state_dict(state.get("estimator", {}))
         self._clamp.load_state_dict(state.get("clamp", {}))
         self.step_cost.load_state_dict(state.get("step_cost", {}))
+        self._lr.load_state_dict(state.get("lr", {}), self._k, self._noise_steps())
         if self.objective != "goodput" or ("phase" not in state and self._k != self.min_k):
             self._phase = "noise"  # no start to wait for: another objective, or saved past it before it existed
 

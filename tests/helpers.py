@@ -307,6 +307,7 @@ class RegressionModel(pl.LightningModule):
         self.lr = lr
         self.step_grads: list[dict[str, Tensor | None]] = []  # gradient at each optimizer step, after clipping
         self.step_indices: list[list[int]] = []  # sample indices in each optimizer step (this rank)
+        self.step_lrs: list[float] = []  # the learning rate of each optimizer step (a schedule may scale it)
         self._window_indices: list[int] = []
         self.split_mode = False
 
@@ -329,6 +330,7 @@ class RegressionModel(pl.LightningModule):
             {n: None if p.grad is None else p.grad.detach().clone() for n, p in self.named_parameters()}
         )
         self.step_indices.append(self._window_indices)
+        self.step_lrs.append(optimizer.param_groups[0]["lr"])
         self._window_indices = []
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

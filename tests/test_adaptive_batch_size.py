@@ -48,7 +48,7 @@ def test_k_rises_with_the_noise_scale_at_window_boundaries_and_every_window_is_e
     changes = [(e.before, e.after) for e in trainer.callbacks[0].events if e.kind == "schedule_change"]
     assert changes and all(after > before for before, after in changes)  # only ever up
     assert schedule.estimator.value().windows == len(windows)
-    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.2)
+    expected = replay_reference(initial, dataset, model.step_indices, mse_loss, lr=0.2, lrs=model.step_lrs)
     assert_grads_close(model.step_grads, expected, **FP32)
 
 
@@ -132,7 +132,12 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["main.py"])
     schedule = {
         "class_path": "lightning_accum.schedules.AdaptiveBatchSize",
-        "init_args": {"max_accumulation_steps": 16, "objective": "noise_scale", "factor": 2.0},
+        "init_args": {
+            "max_accumulation_steps": 16,
+            "objective": "noise_scale",
+            "factor": 2.0,
+            "lr_scaling": "sqrt_gain",
+        },
     }
     callback = {"class_path": "lightning_accum.AccumulationScheduler", "init_args": {"schedule": schedule}}
     config = tmp_path / "adaptive.yaml"
@@ -141,6 +146,7 @@ def test_from_lightningcli_yaml(tmp_path: Path, monkeypatch):
     (scheduler,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, AccumulationScheduler)]
     assert isinstance(scheduler.schedule, AdaptiveBatchSize) and scheduler.schedule.max_k == 16
     assert (scheduler.schedule.objective, scheduler.schedule.factor) == ("noise_scale", 2.0)
+    assert scheduler.schedule.lr_scaling == "sqrt_gain"
 
 
 @pytest.mark.parametrize(

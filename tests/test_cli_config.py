@@ -443,6 +443,7 @@ BAD_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "BatchSizeRamp rounding": _bad(RAMP, "schedule.rounding=up", "up"),
     "BatchSizeRamp lr_scaling": _bad(RAMP, "schedule.lr_scaling=cubic", "cubic"),
     "StepwiseSchedule lr_scaling": _bad(STEPWISE, "schedule.lr_scaling=square", "square"),
+    "BatchSizeRamp gain": _bad(RAMP, "schedule.lr_scaling=sqrt_gain", "sqrt_gain"),  # only AdaptiveBatchSize's
     "min_accumulation_steps": _bad(ADAPTIVE, "schedule.min_accumulation_steps=1", ">= 2, got 1"),
     "max_accumulation_steps": _bad(ADAPTIVE, "schedule.max_accumulation_steps=0", ">= 1, got 0"),
     "factor": _bad(ADAPTIVE, "schedule.factor=0", "> 0, got 0"),

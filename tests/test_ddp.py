@@ -42,6 +42,7 @@ class CountAllReduces(pl.Callback):
                 "optimizer_steps": trainer.global_step,
                 "step_grads": getattr(pl_module, "step_grads", []),
                 "step_indices": getattr(pl_module, "step_indices", []),
+                "step_lrs": getattr(pl_module, "step_lrs", []),
                 "items_per_step": [],
             },
             os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),

@@ -259,8 +259,11 @@ def test_a_slow_step_makes_goodput_choose_a_larger_k_and_every_window_stays_exac
         with caplog.at_level("INFO", logger="lightning_accum"):
             trainer.fit(model, DataLoader(IndexedDataset(256), batch_size=4))
         ends[delay] = schedule.accumulation_steps(Progress())
-        expected = replay_reference(initial, IndexedDataset(256), model.step_indices, mse_loss, lr=0.2)
+        # The default `lr_scaling="sqrt_gain"` moves the rate with k: the replay takes each step's.
+        lrs = model.step_lrs
+        expected = replay_reference(initial, IndexedDataset(256), model.step_indices, mse_loss, lr=0.2, lrs=lrs)
         assert_grads_close(model.step_grads, expected, **FP32)
+        assert delay == 0.0 or lrs[-1] > lrs[0]  # it did move
     assert ends[0.04] > ends[0.0], ends
     changes = [r.getMessage() for r in caplog.records if "accumulation steps" in r.getMessage()]
     assert changes and all("goodput" in line and "step overhead" in line for line in changes), changes
@@ -309,7 +312,8 @@ def test_under_ddp_ranks_with_different_clocks_take_the_same_k_with_no_extra_gra
     assert [rank["allreduces"] for rank in ranks] == [steps, steps]  # one gradient all-reduce per step, as before
     assert_grads_close(ranks[0]["step_grads"], ranks[1]["step_grads"], rtol=0, atol=0)
     union = [a + b for a, b in zip(ranks[0]["step_indices"], ranks[1]["step_indices"], strict=True)]
-    expected = replay_reference(initial, IndexedDataset(256), union, mse_loss, lr=0.2)
+    assert ranks[0]["step_lrs"] == ranks[1]["step_lrs"]  # the default gain rule scaled every rank's rate alike
+    expected = replay_reference(initial, IndexedDataset(256), union, mse_loss, lr=0.2, lrs=ranks[0]["step_lrs"])
     assert_grads_close(ranks[0]["step_grads"], expected, rtol=1e-5, atol=1e-6)
 
 

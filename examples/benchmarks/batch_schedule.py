@@ -12,11 +12,12 @@ A benchmark, not a timed test. Two settings whose best fixed ``k`` differ:
   least as long as a micro-batch's forward and backward.
 
 Each runs fixed ``k`` in {1, 2, 4, 8, 16}, a ``BatchSizeRamp`` with ``lr_scaling="sqrt"``, ``AdaptiveBatchSize()``
-(``AccumulationScheduler(AdaptiveBatchSize())``, nothing set) and ``AdaptiveBatchSize(objective="noise_scale")``,
-over the same samples (one epoch) from the same weights, for each seed. Every run reports the held-out loss at equal
-samples (the end of the epoch) and, against a target loss fixed in `TARGETS` before the runs, the training time
-(held-out probes excluded) and the optimizer steps to reach it. Prints a markdown table (medians over seeds) and
-writes ``results.json`` to ``--out``.
+(``AccumulationScheduler(AdaptiveBatchSize())``, nothing set: the learning rate follows the square root of the gain
+ratio), ``AdaptiveBatchSize(lr_scaling=None)`` (the learning rate left alone, the default before) and
+``AdaptiveBatchSize(objective="noise_scale")``, over the same samples (one epoch) from the same weights, for each
+seed. Every run reports the held-out loss at equal samples (the end of the epoch) and, against a target loss fixed
+in `TARGETS` before the runs, the training time (held-out probes excluded) and the optimizer steps to reach it.
+Prints a markdown table (medians over seeds) and writes ``results.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -235,6 +236,7 @@ def variants(setting: dict[str, Any]) -> dict[str, Callable[[], Any]]:
         per_micro_step, 16 * per_micro_step, per_micro_step * 3, ramp_samples, lr_scaling="sqrt"
     )
     found["AdaptiveBatchSize()"] = AdaptiveBatchSize
+    found["AdaptiveBatchSize(lr_scaling=None)"] = lambda: AdaptiveBatchSize(lr_scaling=None)
     found["AdaptiveBatchSize(objective='noise_scale')"] = lambda: AdaptiveBatchSize(objective="noise_scale")
     return found
 
