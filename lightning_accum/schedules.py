@@ -285,10 +285,10 @@ class AdaptiveBatchSize:
         allow_decrease: let ``k`` go down (by default it never does).
         max_growth: the largest factor by which one change multiplies (or divides) ``k``; ``None`` lets ``k`` jump
             straight to its target.
-        lr_scaling: when ``k`` changes, multiply every param group's learning rate (and the LR schedulers' base
-            rates) by ``k_new / k_old`` (``"linear"``) or its square root (``"sqrt"``), or bring it to AdaScale's
-            gain ratio over ``min_accumulation_steps``' batch at the noise scale (``"gain"``, for SGD) or its square
-            root (``"sqrt_gain"``, the default, for Adam; `lightning_accum.core.learning_rate`); ``None`` leaves it.
+        lr_scaling: when ``k`` changes, multiply every param group's learning rate (and its schedulers' base rates)
+            by ``k_new / k_old`` (``"linear"``) or its square root (``"sqrt"``), or keep it at AdaScale's gain ratio
+            at the noise scale over the minimum's batch (``"gain"``, for SGD) or that ratio's square root
+            (``"sqrt_gain"``, the default, for Adam: `lightning_accum.core.learning_rate`); ``None``: left alone.
         beta: the noise-scale moving average's decay per window.
 
     Raises:

@@ -140,7 +140,8 @@ def _run_case(fabric, case: str) -> None:
         return {k: torch.stack([data[i][k] for i in indices]) for k in ("x", "y", "mask")}
 
     def check(step_indices, steps=-1):  # both ranks' samples of the step, one full-batch token mean
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+        # At the step's own rate: `AdaptiveBatchSize` scales it with k by default (the square root of the gain ratio).
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=optimizer.param_groups[0]["lr"])
         ref_opt.zero_grad()
         token_loss(reference, batch_of(step_indices)).backward()
         for p, r in zip(model.module.parameters(), reference.parameters(), strict=True):

@@ -43,7 +43,11 @@ class _SaveNoise(pl.Callback):
         self.out_dir = out_dir
         self.noise: list[tuple[float, float] | None] = []
         self.micro_batches: list[int] = []
+        self.lrs: list[float] = []  # each step's learning rate: `AdaptiveBatchSize` scales it with k by default
         self._last: Any = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         report = trainer.callbacks[0].last_step_report  # the owner runs first: its report of this step is out
@@ -54,6 +58,7 @@ class _SaveNoise(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         figures = {"noise": self.noise, "micro_batches": self.micro_batches, "step_indices": pl_module.step_indices}
+        figures["lrs"] = self.lrs
         torch.save(figures, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -96,15 +101,16 @@ def _gradient(model: nn.Module, dataset: h.TokenDataset, indices: list[int]) -> 
 
 
 def reference_noise(
-    dataset: h.TokenDataset, windows: list[list[list[int]]], lr: float, initial: nn.Module
+    dataset: h.TokenDataset, windows: list[list[list[int]]], lrs: list[float], initial: nn.Module
 ) -> list[tuple[float, float] | None]:
     """Each step's ``(|G|², tr Σ)``: the mean over ranks with two micro-batches or more, in float64, along plain SGD.
 
     ``windows[r][t]`` holds the samples rank ``r`` saw in step ``t``; its first ``MICRO`` are its first micro-batch.
+    ``lrs[t]`` is step ``t``'s learning rate.
     """
     model = copy.deepcopy(initial).double()
     expected: list[tuple[float, float] | None] = []
-    for per_rank in zip(*windows, strict=True):
+    for per_rank, lr in zip(zip(*windows, strict=True), lrs, strict=True):
         big, big_items = _gradient(model, dataset, [i for window in per_rank for i in window])
         big_sq = sum(float(g.square().sum()) for g in big)
         pairs = []
@@ -147,7 +153,8 @@ def test_window_mode_measures_every_window_exactly_and_k_adapts(tmp_path, strate
     assert all(n is not None for n, k in zip(noise, ranks[0]["micro_batches"], strict=True) if k >= 2)
     assert max(ranks[0]["micro_batches"]) > 2, "AdaptiveBatchSize must have raised k"
     windows = [r["step_indices"] for r in ranks]
-    expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, LR, ShardedTokenModel())
+    assert ranks[0]["lrs"] == ranks[1]["lrs"] and ranks[0]["lrs"][-1] > LR  # the default gain rule moved it alike
+    expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, ranks[0]["lrs"], ShardedTokenModel())
     assert_noise_close(noise, expected)
 
 
@@ -158,7 +165,7 @@ def test_the_goodput_objective_under_fsdp2_agrees_on_k_and_every_window_is_measu
     ranks = run(tmp_path, "fsdp2-goodput")
     assert ranks[1]["micro_batches"] == ranks[0]["micro_batches"] and ranks[1]["noise"] == ranks[0]["noise"]
     windows = [r["step_indices"] for r in ranks]
-    expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, LR, ShardedTokenModel())
+    expected = reference_noise(h.TokenDataset(WINDOW_SAMPLES), windows, ranks[0]["lrs"], ShardedTokenModel())
     assert_noise_close(ranks[0]["noise"], expected)
 
 
@@ -171,7 +178,7 @@ def test_split_mode_under_fsdp2_measures_every_step_exactly(tmp_path):
     assert ranks[1]["noise"] == noise and len(noise) == SPLIT_STEPS and None not in noise
     windows = [r["step_indices"] for r in ranks]
     dataset = h.TokenDataset(WORLD_SIZE * STEP_BATCH * SPLIT_STEPS, seed=1)
-    assert_noise_close(noise, reference_noise(dataset, windows, LR, SplitShardedModel()))
+    assert_noise_close(noise, reference_noise(dataset, windows, ranks[0]["lrs"], SplitShardedModel()))
 
 
 # ---------------------------------------------------------------------------------------------------------------

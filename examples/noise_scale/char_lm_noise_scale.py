@@ -359,7 +359,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adaptive-beta", type=float, default=0.99, help="AdaptiveBatchSize's own moving average")
     parser.add_argument("--adaptive-factor", type=float, default=1.0, help="target global batch / noise scale")
     parser.add_argument("--allow-decrease", action="store_true", help="let AdaptiveBatchSize lower k again")
-    parser.add_argument("--lr-scaling", default="none", choices=("none", "linear", "sqrt"))
+    parser.add_argument("--lr-scaling", default="none", choices=("none", "linear", "sqrt", "gain", "sqrt_gain"))
     parser.add_argument("--only", default="", help="run only these variants, comma-separated (e.g. k=2,adaptive)")
     parser.add_argument("--probes", type=int, default=8, help="held-out probes over the run")
     parser.add_argument("--seed", type=int, default=0)
