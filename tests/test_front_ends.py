@@ -399,7 +399,7 @@ SCHEDULES: dict[str, tuple[Callable[[], Any], list[int] | None]] = {
     # k=2 for 3 steps (6 micro-batches), then k=3 mid-epoch 0 (3, 3, 3 and the epoch's last micro-batch); k=4 from
     # step 7, epoch 1's first window; k=5 from step 9, mid-epoch 1 (5, and 3 left), then 5, 5, 5, 1 in epoch 2.
     "step-keyed StepwiseSchedule": (
-        lambda: StepwiseSchedule({0: 2, 3: 3, 7: 4, 9: 5}, unit="step", lr_scaling="sqrt"),
+        lambda: StepwiseSchedule({0: 2, 3: 3, 7: 4, 9: 5}, unit="step", lr_scaling="linear"),
         [2, 2, 2, 3, 3, 3, 3] + [4, 4, 5, 5] + [5] * 4,
     ),
     # The global batch is 4, 8, 12 and 16 samples from 0, 21.3, 42.7 and 64 consumed samples: k = global / 2.
@@ -411,7 +411,12 @@ SCHEDULES: dict[str, tuple[Callable[[], Any], list[int] | None]] = {
     ),
     "AdaptiveBatchSize": (
         lambda: AdaptiveBatchSize(
-            2, 16, objective="noise_scale", factor=2.0, warmup_windows=2, beta=0.5, lr_scaling="linear"
+            2,
+            16,
+            objective="noise_scale",
+            factor=2.0,
+            warmup_windows=2,
+            beta=0.5,  # lr_scaling="sqrt_gain"
         ),
         None,
     ),
@@ -455,9 +460,18 @@ def test_a_schedule_sets_k_window_by_window_and_every_window_is_exact(schedule_r
     assert run.model.micro_batches == windows_of(run.model.planned)
     # Every schedule's `lr_scaling` (issue 39): each change multiplies the rate by (k_new / k_old) or its square root,
     # so every step's rate is the first's times (k / k_first) or its square root.
-    scaling = run.engine.schedule.schedule.lr_scaling
-    exponent = 1.0 if scaling == "linear" else 0.5
-    assert run.model.lrs == pytest.approx([LR * (k / run.model.planned[0]) ** exponent for k in run.model.planned])
+    schedule = run.engine.schedule.schedule
+    lrs, planned = run.model.lrs, run.model.planned
+    if schedule.lr_scaling in ("linear", "sqrt"):
+        exponent = 1.0 if schedule.lr_scaling == "linear" else 0.5
+        assert lrs == pytest.approx([LR * (k / planned[0]) ** exponent for k in planned])
+    else:  # AdaptiveBatchSize's default gain rule: the rate moves where k does, under the square-root rule's, and
+        # ends at the multiplier the schedule applied (each factor is the schedule's own: tests/test_lr_gain.py)
+        assert [i for i in range(1, len(lrs)) if lrs[i] != lrs[i - 1]] == [
+            i for i in range(1, len(planned)) if planned[i] != planned[i - 1]
+        ]
+        assert all(LR < lr < LR * (k / planned[0]) ** 0.5 for lr, k in zip(lrs, planned, strict=True) if k > planned[0])
+        assert lrs[-1] == pytest.approx(LR * schedule._lr.applied)
     assert run.model.consumed == list(itertools.accumulate(len(indices) for indices in run.model.step_indices))
     assert [change[1:4] for change in run.changes()] == [
         (step, before, after)
