@@ -1,6 +1,7 @@
 """Which k trains fastest on the clock: fixed k, a ramp, and AdaptiveBatchSize() with no argument (issue 39).
 
-    OMP_NUM_THREADS=1 python examples/benchmarks/batch_schedule.py [--quick] [--settings a,b] [--out DIR]
+    OMP_NUM_THREADS=1 python examples/benchmarks/batch_schedule.py [--quick] [--settings a,b] [--seeds 0,1,2]
+        [--variants "k=1;k=2;AdaptiveBatchSize()"] [--out DIR] [--plot PNG]
 
 A benchmark, not a timed test. Two settings whose best fixed ``k`` differ:
 
@@ -169,7 +170,9 @@ class BagOfTokens(Dataset[dict[str, Tensor]]):
         self.tokens = torch.randint(0, used, (n, length), generator=g)
         teacher = torch.randn(used, 10, generator=torch.Generator().manual_seed(1234))
         logits = teacher[self.tokens].mean(1) * 6.0
-        self.labels = torch.distributions.Categorical(logits=logits).sample()  # a noisy teacher: a real noise scale
+        # A noisy teacher (a real noise scale), sampled from the seeded generator: torch seeds its default one at
+        # random in each process, so labels drawn from it made every run of the benchmark a different task.
+        self.labels = torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(1)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -239,6 +242,21 @@ def variants(setting: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     found["AdaptiveBatchSize(lr_scaling=None)"] = lambda: AdaptiveBatchSize(lr_scaling=None)
     found["AdaptiveBatchSize(objective='noise_scale')"] = lambda: AdaptiveBatchSize(objective="noise_scale")
     return found
+
+
+def chosen(found: dict[str, Callable[[], Any]], names: str) -> dict[str, Callable[[], Any]]:
+    """The variants of ``found`` that ``names`` lists (``;``-separated, as the table names them), all where empty.
+
+    Raises:
+        ValueError: a name that is not a variant, with the ones there are.
+    """
+    if not names:
+        return found
+    wanted = [name.strip() for name in names.split(";")]
+    unknown = [name for name in wanted if name not in found]
+    if unknown:
+        raise ValueError(f"--variants: no variant named {unknown}; the variants are {'; '.join(found)}.")
+    return {name: found[name] for name in wanted}
 
 
 def run(setting: dict[str, Any], schedule: Any, seed: int, out: Path) -> dict[str, Any]:
@@ -399,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples and one seed: a smoke run in a minute")
     parser.add_argument("--settings", default="a,b", help="which settings to run: a, b or a,b")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--variants", default="", help='only these, ";"-separated: "k=1;k=2;AdaptiveBatchSize()"')
     parser.add_argument("--vocab", type=int, default=32768, help="setting b's embedding rows (the data uses 64)")
     parser.add_argument("--out", default="/tmp/lightning_accum_batch_schedule")
     parser.add_argument("--plot", type=Path, help="draw the held-out loss by samples and by training time here (png)")
@@ -415,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results: dict[str, list[dict[str, Any]]] = {}
         # Seed by seed, every variant in turn: a machine whose load drifts slows every variant alike.
         for seed in seeds:
-            for variant, make in variants(setting).items():
+            for variant, make in chosen(variants(setting), args.variants).items():
                 result = run(setting, make(), seed, out)
                 results.setdefault(variant, []).append(result)
                 print(

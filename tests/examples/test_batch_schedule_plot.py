@@ -71,3 +71,12 @@ def test_a_run_is_priced_step_by_step_along_its_path_of_k():
     assert benchmark.priced_reach(adaptive, 1.9, (overhead, per_micro_batch)) == pytest.approx(4 * 0.07 + 6 * 0.11)
     del adaptive["changes"]  # recorded before the steps of each change were: no price
     assert math.isnan(benchmark.priced_reach(adaptive, 1.9, (overhead, per_micro_batch)))
+
+
+def test_a_run_of_some_variants_names_them_as_the_table_does_and_refuses_a_slip():
+    benchmark = _benchmark()
+    found = {"k=1": int, "k=2": int, "ramp 1 -> 16, sqrt LR": int, "AdaptiveBatchSize()": int}
+    assert list(benchmark.chosen(found, "AdaptiveBatchSize(); k=1")) == ["AdaptiveBatchSize()", "k=1"]
+    assert benchmark.chosen(found, "") == found
+    with pytest.raises(ValueError, match=r"no variant named \['k=3'\]; the variants are k=1; k=2; ramp 1 -> 16, sqrt"):
+        benchmark.chosen(found, "k=1;k=3")
