@@ -105,7 +105,10 @@ def _mismatched(rank: int, port: int, seconds: float, out_dir: str) -> None:
 
 def test_ranks_started_by_start_ranks_fail_in_bounded_time_and_leave_no_process(tmp_path):
     before = set(h.descendants(os.getpid()))
-    with pytest.raises(Exception, match=r"(?i)timed out"):
+    # The rank whose wait times out first closes its connections as it fails; the other, timing out at the same
+    # moment, may then stamp "Connection closed by peer" a hair before the first stamps its own timeout (seen in a
+    # full run). Either way each rank waited the timeout and no longer, which `assert_bounded` checks.
+    with pytest.raises(Exception, match=r"(?i)timed out|connection closed by peer"):
         h.start_ranks(_mismatched, (_free_port(), SHORT.total_seconds(), str(tmp_path)), 2)
     assert_bounded(waits(tmp_path))
     assert h.stray_processes(before) == {}  # what would be left, killed
